@@ -1,0 +1,185 @@
+//! Block hashing, compatible with Dynamo's KV router (SPEC §2).
+//!
+//! - A block is `block_size` consecutive `u32` tokens; only full blocks are hashed.
+//! - `local_hash = xxh3_64_with_seed(tokens as little-endian u32 bytes, seed)`, `seed = 1337`
+//!   unless a LoRA adapter name or a cache salt changes it ([`seed_for`]).
+//! - `sequence_hash[0] = local_hash[0]`; `sequence_hash[i] = xxh3_64_with_seed(
+//!   sequence_hash[i-1] LE ‖ local_hash[i] LE, 1337)`: a block together with all blocks before it.
+//!
+//! Hashing is linear in the prompt length; a 131,072-token prompt is 512 KiB of input.
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// The seed of every hash when no LoRA adapter and no cache salt apply.
+pub const BASE_SEED: u64 = 1337;
+
+/// The local-hash seed for a LoRA adapter name and/or a cache salt. Empty strings count as absent.
+pub fn seed_for(lora_name: Option<&str>, cache_salt: Option<&str>) -> u64 {
+    let mut seed = BASE_SEED;
+    if let Some(lora) = lora_name.filter(|s| !s.is_empty()) {
+        seed = seed.wrapping_add(xxh3_64_with_seed(lora.as_bytes(), 0));
+    }
+    if let Some(salt) = cache_salt.filter(|s| !s.is_empty()) {
+        seed = seed.wrapping_add(xxh3_64_with_seed(salt.as_bytes(), 1));
+    }
+    seed
+}
+
+/// Hash of one block of tokens with the given seed.
+pub fn block_hash(tokens: &[u32], seed: u64) -> u64 {
+    // Tokens are hashed as their little-endian bytes. A fixed stack buffer covers common block
+    // sizes without allocating; larger blocks fall back to a heap buffer.
+    let mut stack = [0u8; 1024];
+    let len = tokens.len() * 4;
+    if len <= stack.len() {
+        for (chunk, token) in stack.chunks_exact_mut(4).zip(tokens) {
+            chunk.copy_from_slice(&token.to_le_bytes());
+        }
+        xxh3_64_with_seed(&stack[..len], seed)
+    } else {
+        let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        xxh3_64_with_seed(&bytes, seed)
+    }
+}
+
+/// Local hashes of every full block of `tokens`. Returns an empty vector for `block_size == 0`.
+pub fn local_hashes(tokens: &[u32], block_size: usize, seed: u64) -> Vec<u64> {
+    if block_size == 0 {
+        return Vec::new();
+    }
+    tokens
+        .chunks_exact(block_size)
+        .map(|block| block_hash(block, seed))
+        .collect()
+}
+
+/// Chains one block's local hash onto the sequence hash of everything before it.
+pub fn chain(previous_sequence_hash: u64, local_hash: u64) -> u64 {
+    let mut bytes = [0u8; 16];
+    bytes[..8].copy_from_slice(&previous_sequence_hash.to_le_bytes());
+    bytes[8..].copy_from_slice(&local_hash.to_le_bytes());
+    xxh3_64_with_seed(&bytes, BASE_SEED)
+}
+
+/// Sequence hashes for a run of local hashes that starts at the first block of a prompt.
+pub fn sequence_hashes(local_hashes: &[u64]) -> Vec<u64> {
+    sequence_hashes_from(None, local_hashes)
+}
+
+/// Sequence hashes for local hashes that continue after a block whose sequence hash is `parent`
+/// (or start the prompt when `parent` is `None`).
+pub fn sequence_hashes_from(parent: Option<u64>, local_hashes: &[u64]) -> Vec<u64> {
+    let mut out = Vec::with_capacity(local_hashes.len());
+    let mut previous = parent;
+    for &local in local_hashes {
+        let sequence = match previous {
+            None => local,
+            Some(p) => chain(p, local),
+        };
+        out.push(sequence);
+        previous = Some(sequence);
+    }
+    out
+}
+
+/// A prompt reduced to what routing needs: its full-block hashes and its length in tokens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PromptHashes {
+    /// Local hash of each full block.
+    pub local: Vec<u64>,
+    /// Sequence hash of each full block.
+    pub sequence: Vec<u64>,
+    /// Prompt length in tokens, including a trailing partial block.
+    pub isl_tokens: u64,
+}
+
+impl PromptHashes {
+    /// Hashes a token prompt.
+    pub fn from_tokens(tokens: &[u32], block_size: usize, seed: u64) -> Self {
+        let local = local_hashes(tokens, block_size, seed);
+        let sequence = sequence_hashes(&local);
+        Self {
+            local,
+            sequence,
+            isl_tokens: tokens.len() as u64,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tokens_1_to_17() -> Vec<u32> {
+        (1..=17).collect()
+    }
+
+    #[test]
+    fn local_hashes_match_dynamo_vectors() {
+        let local = local_hashes(&tokens_1_to_17(), 4, BASE_SEED);
+        assert_eq!(
+            local,
+            vec![
+                14643705804678351452,
+                16777012769546811212,
+                483935686894639516,
+                135165725823939817
+            ]
+        );
+    }
+
+    #[test]
+    fn sequence_hashes_match_dynamo_vectors() {
+        let local = local_hashes(&tokens_1_to_17(), 4, BASE_SEED);
+        let sequence: Vec<i64> = sequence_hashes(&local)
+            .into_iter()
+            .map(|h| h as i64)
+            .collect();
+        assert_eq!(
+            sequence,
+            vec![
+                -3803038269031200164,
+                4945711292740353085,
+                -5863151826378895484,
+                1921452330601040443
+            ]
+        );
+    }
+
+    #[test]
+    fn lora_and_salt_change_the_seed_as_dynamo_does() {
+        let tokens = tokens_1_to_17();
+        let lora = local_hashes(&tokens, 4, seed_for(Some("adapter-a"), None));
+        assert_eq!(&lora[..2], &[11381080598872079209, 5698110331184095209]);
+        let salt = local_hashes(&tokens, 4, seed_for(None, Some("salt-1")));
+        assert_eq!(&salt[..2], &[914885034549397476, 3069815956657004924]);
+        assert_eq!(seed_for(Some(""), Some("")), BASE_SEED);
+    }
+
+    #[test]
+    fn only_full_blocks_are_hashed() {
+        assert_eq!(local_hashes(&[1, 2, 3], 4, BASE_SEED).len(), 0);
+        assert_eq!(local_hashes(&tokens_1_to_17(), 0, BASE_SEED).len(), 0);
+        let p = PromptHashes::from_tokens(&tokens_1_to_17(), 16, BASE_SEED);
+        assert_eq!(p.local.len(), 1);
+        assert_eq!(p.isl_tokens, 17);
+    }
+
+    #[test]
+    fn large_blocks_use_the_heap_path_with_the_same_result() {
+        let tokens: Vec<u32> = (0..1000).collect();
+        let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        assert_eq!(
+            block_hash(&tokens, BASE_SEED),
+            xxh3_64_with_seed(&bytes, BASE_SEED)
+        );
+    }
+
+    #[test]
+    fn continuing_a_chain_equals_hashing_the_whole_prompt() {
+        let local = local_hashes(&(0..64).collect::<Vec<u32>>(), 4, BASE_SEED);
+        let whole = sequence_hashes(&local);
+        let tail = sequence_hashes_from(Some(whole[7]), &local[8..]);
+        assert_eq!(&whole[8..], &tail[..]);
+    }
+}

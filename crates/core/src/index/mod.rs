@@ -1,0 +1,1 @@
+//! The radix index (in progress).

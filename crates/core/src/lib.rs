@@ -1,0 +1,16 @@
+//! # kvroute-core
+//!
+//! The pure, synchronous heart of kvroute, the KV-cache-aware worker selector. Everything here is
+//! plain data and state machines: no sockets, no async runtime, no clocks, no global randomness
+//! and no logging. Time (`now`) and randomness (`rng`) are arguments; outcomes are returned values
+//! that the edges (HTTP service, Python binding, simulator) turn into responses, metrics and logs.
+//!
+//! Modules:
+//! - [`hash`]: Dynamo-compatible local and sequence block hashes (SPEC §2).
+//! - [`event`]: the internal KV event model (stored / removed / cleared, tiers, ranks).
+//! - [`index`]: the radix index of which rank holds which prompt prefix, and `find_matches`.
+#![forbid(unsafe_code)]
+
+pub mod event;
+pub mod hash;
+pub mod index;

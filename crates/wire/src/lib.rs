@@ -1,0 +1,1 @@
+//! vLLM/SGLang KV-event wire codec (in progress).
