@@ -9,8 +9,12 @@
 //! - [`hash`]: Dynamo-compatible local and sequence block hashes (SPEC §2).
 //! - [`event`]: the internal KV event model (stored / removed / cleared, tiers, ranks).
 //! - [`index`]: the radix index of which rank holds which prompt prefix, and `find_matches`.
+//! - [`load`]: per-rank active load: bookings, prefill tokens, decode blocks, expiry (SPEC §5).
+//! - [`pending`]: the pending-selection cache (SPEC §8).
 #![forbid(unsafe_code)]
 
 pub mod event;
 pub mod hash;
 pub mod index;
+pub mod load;
+pub mod pending;

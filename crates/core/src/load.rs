@@ -1,0 +1,1 @@
+//! Per-rank load tracking (in progress).

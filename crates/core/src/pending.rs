@@ -1,0 +1,1 @@
+//! Pending-selection cache (in progress).
