@@ -1,0 +1,116 @@
+//! A naive reference model of the index, for property tests: per rank a plain map from engine
+//! hash to (sequence hash, per-tier store counts), and lookups by linear scans. Obviously correct,
+//! slow, and unbounded (no block cap).
+
+use super::{ApplyOutcome, Matches, RankOverlap};
+use crate::event::{KvEvent, Rank, Tier};
+use crate::hash::chain;
+use std::collections::BTreeMap;
+
+#[derive(Debug, Default, Clone)]
+pub struct ReferenceIndex {
+    /// rank → engine hash → (sequence hash, counts per tier).
+    ranks: BTreeMap<Rank, BTreeMap<u64, (u64, [u32; 3])>>,
+}
+
+impl ReferenceIndex {
+    pub fn apply(&mut self, rank: Rank, event: &KvEvent) -> ApplyOutcome {
+        let mut outcome = ApplyOutcome::default();
+        match event {
+            KvEvent::Stored {
+                parent,
+                blocks,
+                tier,
+            } => {
+                let held = self.ranks.entry(rank).or_default();
+                let mut previous = match parent {
+                    None => None,
+                    Some(p) => match held.get(p) {
+                        Some(&(seq, _)) => Some(seq),
+                        None => {
+                            outcome.parent_block_not_found += 1;
+                            return outcome;
+                        }
+                    },
+                };
+                for block in blocks {
+                    let seq = previous.map_or(block.local_hash, |p| chain(p, block.local_hash));
+                    let entry = held.entry(block.engine_hash).or_insert((seq, [0; 3]));
+                    if entry.0 != seq {
+                        outcome.engine_hash_conflicts += 1;
+                        *entry = (seq, [0; 3]);
+                    }
+                    entry.1[tier.index()] += 1;
+                    outcome.stored_blocks += 1;
+                    previous = Some(seq);
+                }
+            }
+            KvEvent::Removed {
+                engine_hashes,
+                tier,
+            } => {
+                let held = self.ranks.entry(rank).or_default();
+                for h in engine_hashes {
+                    match held.get_mut(h) {
+                        Some(entry) if entry.1[tier.index()] > 0 => {
+                            entry.1[tier.index()] -= 1;
+                            outcome.removed_blocks += 1;
+                            if entry.1 == [0; 3] {
+                                held.remove(h);
+                            }
+                        }
+                        _ => outcome.unknown_removed_blocks += 1,
+                    }
+                }
+            }
+            KvEvent::Cleared => {
+                if let Some(held) = self.ranks.get_mut(&rank) {
+                    held.clear();
+                    outcome.cleared_ranks += 1;
+                }
+            }
+        }
+        outcome
+    }
+
+    pub fn remove_worker(&mut self, worker_id: u64) {
+        self.ranks.retain(|r, _| r.worker_id != worker_id);
+    }
+
+    fn holds(held: &BTreeMap<u64, (u64, [u32; 3])>, seq: u64, t: usize) -> bool {
+        held.values()
+            .any(|(s, counts)| *s == seq && counts[..=t].iter().any(|&c| c > 0))
+    }
+
+    pub fn find_matches(&self, sequence_hashes: &[u64]) -> Matches {
+        let mut ranks = Vec::new();
+        for (&rank, held) in &self.ranks {
+            let mut ends = [0u32; 3];
+            for (t, end) in ends.iter_mut().enumerate() {
+                *end = sequence_hashes
+                    .iter()
+                    .take_while(|&&seq| Self::holds(held, seq, t))
+                    .count() as u32;
+            }
+            if ends[2] > 0 {
+                ranks.push(RankOverlap {
+                    rank,
+                    device_blocks: ends[0],
+                    host_blocks: ends[1],
+                    disk_blocks: ends[2],
+                });
+            }
+        }
+        Matches { ranks }
+    }
+
+    /// Distinct `(rank, engine hash)` entries.
+    pub fn held_pairs(&self) -> usize {
+        self.ranks.values().map(|h| h.len()).sum()
+    }
+}
+
+/// A `Tier` from an index 0..3 (for generators).
+pub fn tier_from_index(i: usize) -> Tier {
+    Tier::ALL[i % 3]
+}
