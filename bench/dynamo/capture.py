@@ -1,0 +1,783 @@
+#!/usr/bin/env python3
+"""Capture HTTP request/response fixtures from NVIDIA Dynamo's selection service.
+
+Runs `python -m dynamo.select_service` (PyPI `ai-dynamo-runtime`) once per scenario, exercises
+its routes with urllib (stdlib only) and writes one JSON file per scenario: a list of exchanges
+`{"name", "method", "path", "request", "status", "response", ...}`.
+
+Dynamo binds 0.0.0.0 with no option to change it, so this script refuses to run unless the
+current network namespace has nothing but the loopback interface. Use run_capture.sh, which
+creates such a namespace (`ip netns add kvns`) and runs this script inside it. Every URL used
+here is http://127.0.0.1:<port>; the fake engine publisher (fake_engine.py) binds 127.0.0.1.
+
+Usage (inside the namespace):
+    python3 capture.py --dynamo-python /work/venv-dynamo/bin/python \
+        --out crates/service/tests/fixtures/dynamo
+"""
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fake_engine import FakeEnginePublisher, block_removed, block_stored  # noqa: E402
+
+HOST = "127.0.0.1"
+
+# Test vectors from SPEC §2 (tokens 1..=17, block size 4), checked against Dynamo 1.6.1.
+TOKENS_17 = list(range(1, 18))
+LOCAL_HASHES_U64 = [
+    14643705804678351452,
+    16777012769546811212,
+    483935686894639516,
+    135165725823939817,
+]
+SEQ_HASHES_I64 = [
+    -3803038269031200164,
+    4945711292740353085,
+    -5863151826378895484,
+    1921452330601040443,
+]
+
+
+def as_i64(u):
+    return u - (1 << 64) if u >= (1 << 63) else u
+
+
+LOCAL_HASHES_I64 = [as_i64(h) for h in LOCAL_HASHES_U64]
+_NO_BODY = object()
+
+
+def assert_loopback_only_netns():
+    ifaces = sorted(os.listdir("/sys/class/net"))
+    if ifaces != ["lo"]:
+        sys.exit(
+            f"refusing to run: network interfaces {ifaces}; run inside a loopback-only "
+            "namespace (see run_capture.sh)"
+        )
+
+
+class Recorder:
+    def __init__(self, port):
+        self.base = f"http://{HOST}:{port}"
+        self.exchanges = []
+
+    def call(self, name, method, path, body=_NO_BODY, *, raw=None, content_type="application/json",
+             note=None, record_request=True, truncate=None):
+        assert path.startswith("/")
+        url = self.base + path
+        data = None
+        headers = {}
+        request_field = None
+        request_raw = None
+        if raw is not None:
+            data = raw if isinstance(raw, bytes) else raw.encode()
+            if record_request:
+                request_raw = data.decode("utf-8", "backslashreplace")
+        elif body is not _NO_BODY:
+            data = json.dumps(body).encode()
+            request_field = body if record_request else None
+        if data is not None and content_type is not None:
+            headers["content-type"] = content_type
+        req = urllib.request.Request(url, data=data, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                status = resp.status
+                ctype = resp.headers.get("content-type")
+                text = resp.read().decode("utf-8", "replace")
+        except urllib.error.HTTPError as err:
+            status = err.code
+            ctype = err.headers.get("content-type")
+            text = err.read().decode("utf-8", "replace")
+        try:
+            response = json.loads(text) if text else None
+        except ValueError:
+            response = text
+        if truncate is not None and isinstance(response, str) and len(response) > truncate:
+            response = response[:truncate] + "...<truncated>"
+        entry = {"name": name, "method": method, "path": path, "request": request_field}
+        if request_raw is not None:
+            entry["request_raw"] = request_raw
+        if data is not None and content_type != "application/json":
+            entry["request_content_type"] = content_type
+        if note:
+            entry["note"] = note
+        entry["status"] = status
+        if ctype != "application/json":
+            entry["response_content_type"] = ctype  # absent means application/json
+        entry["response"] = response
+        self.exchanges.append(entry)
+        return status, response
+
+
+class Service:
+    def __init__(self, python, port, log_path, extra_args=()):
+        self.port = port
+        self.log = open(log_path, "a")
+        self.log.write(f"\n===== start {time.strftime('%H:%M:%S')} args={list(extra_args)}\n")
+        self.log.flush()
+        self.proc = subprocess.Popen(
+            [python, "-m", "dynamo.select_service", "--port", str(port), *extra_args],
+            stdout=self.log, stderr=subprocess.STDOUT,
+            env={**os.environ, "NO_COLOR": "1"},
+        )
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://{HOST}:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError("select_service exited early; see log")
+            time.sleep(0.2)
+        raise RuntimeError("select_service did not become healthy")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def wait_until(pred, timeout=10.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def quiet_get(port, path):
+    with urllib.request.urlopen(f"http://{HOST}:{port}{path}", timeout=5) as r:
+        return json.loads(r.read())
+
+
+def quiet_post(port, path, body):
+    req = urllib.request.Request(f"http://{HOST}:{port}{path}", data=json.dumps(body).encode(),
+                                 method="POST", headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def worker(wid, port=None, **extra):
+    w = {"worker_id": wid, "endpoint": f"http://worker-{wid}:8000", "block_size": 4}
+    if port is not None:
+        w["kv_events_endpoint"] = f"tcp://{HOST}:{port}"
+    w.update(extra)
+    return w
+
+
+def seed_events(pub, chain_tokens, hashes, tiers=None, parent=None):
+    """Publish a chain of full blocks, one BlockStored event (and one batch) per run of blocks
+    on the same tier; tiers[i] gives the medium of block i (default GPU). Each block is stored
+    on exactly one tier, as vLLM reports offloaded blocks. Batches are spaced out: Dynamo 1.6.1
+    applies events on a thread pool and was seen to reject a child store racing its parent
+    ("Stale parent hash could not be resolved") when they arrive back to back."""
+    tiers = tiers or ["GPU"] * len(hashes)
+    i = 0
+    while i < len(hashes):
+        j = i
+        while j < len(hashes) and tiers[j] == tiers[i]:
+            j += 1
+        pub.publish([block_stored(hashes[i:j], parent, chain_tokens[4 * i: 4 * j], 4, tiers[i])])
+        time.sleep(0.3)
+        parent = hashes[j - 1]
+        i = j
+
+
+def wait_overlap(port, tokens, worker_id, device_blocks, model="default", host_blocks=0):
+    def ok():
+        st, body = quiet_post(port, "/overlap_scores", {"token_ids": tokens, "model_name": model})
+        if st != 200:
+            return False
+        for w in body.get("workers", []):
+            if (w["worker_id"] == worker_id and w["device_blocks"] >= device_blocks
+                    and w["host_pinned_blocks"] >= host_blocks):
+                return True
+        return False
+    if not wait_until(ok, 15):
+        raise RuntimeError(f"KV events for worker {worker_id} never showed up")
+
+
+# --------------------------------------------------------------------------------- scenarios
+def scenario_workers(r, port, zmq_base):
+    pub = FakeEnginePublisher(zmq_base)
+    try:
+        r.call("health", "GET", "/health")
+        r.call("ready_empty", "GET", "/ready")
+        r.call("list_workers_empty", "GET", "/workers")
+        r.call("upsert_without_kv_events", "POST", "/workers", worker(1),
+               note="no kv_events_endpoint: lifecycle incomplete")
+        r.call("ready_only_incomplete", "GET", "/ready")
+        r.call("upsert_with_kv_events_endpoint", "POST", "/workers", worker(2, zmq_base),
+               note="nothing needs to listen; lifecycle schedulable at once")
+        r.call("ready_one_schedulable", "GET", "/ready")
+        r.call("upsert_minimal_worker_id_only", "POST", "/workers", {"worker_id": 3})
+        r.call("upsert_block_size_zero", "POST", "/workers",
+               worker(4, zmq_base + 1, block_size=0))
+        r.call("upsert_all_fields", "POST", "/workers", {
+            "worker_id": 5, "model_name": "m-full", "routing_group": "g1",
+            "endpoint": "http://worker-5:8000", "kv_events_endpoint": f"tcp://{HOST}:{zmq_base + 2}",
+            "replay_endpoint": f"tcp://{HOST}:{zmq_base + 3}", "block_size": 4,
+            "data_parallel_start_rank": 0, "data_parallel_size": 1,
+            "max_num_batched_tokens": 8192, "total_kv_blocks": 1000})
+        r.call("upsert_dp2_kv_events_endpoints_map", "POST", "/workers", {
+            "worker_id": 6, "model_name": "m-dp", "endpoint": "http://worker-6:8000",
+            "block_size": 4, "data_parallel_start_rank": 0, "data_parallel_size": 2,
+            "kv_events_endpoints": {"0": f"tcp://{HOST}:{zmq_base + 4}",
+                                    "1": f"tcp://{HOST}:{zmq_base + 5}"}})
+        r.call("upsert_dp2_single_kv_events_endpoint", "POST", "/workers", {
+            "worker_id": 7, "model_name": "m-dp", "endpoint": "http://worker-7:8000",
+            "block_size": 4, "data_parallel_start_rank": 2, "data_parallel_size": 2,
+            "kv_events_endpoint": f"tcp://{HOST}:{zmq_base + 6}"})
+        r.call("upsert_dp2_replay_endpoint", "POST", "/workers", {
+            "worker_id": 8, "model_name": "m-dp2", "endpoint": "http://worker-8:8000",
+            "block_size": 4, "data_parallel_size": 2, "replay_endpoint": f"tcp://{HOST}:{zmq_base + 7}",
+            "kv_events_endpoints": {"0": f"tcp://{HOST}:{zmq_base + 8}",
+                                    "1": f"tcp://{HOST}:{zmq_base + 9}"}})
+        r.call("upsert_block_size_mismatch_in_partition", "POST", "/workers",
+               worker(9, zmq_base + 10, block_size=8),
+               note="partition default/default already has block_size 4 workers")
+        r.call("upsert_malformed_kv_events_endpoint", "POST", "/workers",
+               worker(10, None, model_name="m-bad", kv_events_endpoint="not-a-zmq-address"))
+        r.call("upsert_empty_endpoint", "POST", "/workers",
+               worker(11, zmq_base + 11, model_name="m-bad", endpoint=""))
+        r.call("upsert_tenant_id_alias", "POST", "/workers",
+               worker(12, zmq_base + 12, model_name="m-alias", tenant_id="t1"))
+        r.call("upsert_unknown_field", "POST", "/workers",
+               worker(13, zmq_base + 13, model_name="m-alias", no_such_field=1))
+        time.sleep(0.5)
+        r.call("list_workers", "GET", "/workers")
+        r.call("list_workers_by_model", "GET", "/workers?model_name=m-dp")
+        r.call("list_workers_by_routing_group", "GET", "/workers?routing_group=g1")
+        r.call("list_workers_by_tenant_id", "GET", "/workers?tenant_id=g1")
+        r.call("list_workers_unknown_model", "GET", "/workers?model_name=nope")
+        r.call("ready_mixed", "GET", "/ready")
+        # re-post (upsert) changes the endpoint
+        r.call("upsert_again_changed_endpoint", "POST", "/workers",
+               worker(2, zmq_base, endpoint="http://worker-2-new:8000"))
+        r.call("patch_add_kv_events_endpoint", "PATCH", "/workers/1",
+               {"kv_events_endpoint": f"tcp://{HOST}:{zmq_base + 14}"},
+               note="incomplete worker becomes schedulable")
+        r.call("patch_total_kv_blocks", "PATCH", "/workers/2", {"total_kv_blocks": 64})
+        r.call("patch_empty_body", "PATCH", "/workers/2", {})
+        r.call("patch_block_size_zero", "PATCH", "/workers/1", {"block_size": 0})
+        r.call("patch_model_name_field", "PATCH", "/workers/1", {"model_name": "other"},
+               note="model_name is not a patch field")
+        r.call("patch_unknown_worker", "PATCH", "/workers/999", {"endpoint": "http://x"})
+        r.call("patch_bad_path_param", "PATCH", "/workers/abc", {"endpoint": "http://x"})
+        r.call("patch_negative_path_param", "PATCH", "/workers/-1", {"endpoint": "http://x"})
+        r.call("patch_no_body", "PATCH", "/workers/2", content_type=None, raw=b"")
+        r.call("delete_worker", "DELETE", "/workers/1")
+        r.call("delete_worker_again", "DELETE", "/workers/1")
+        r.call("delete_unknown_worker", "DELETE", "/workers/999")
+        r.call("delete_bad_path_param", "DELETE", "/workers/abc")
+        r.call("delete_u64_max_path_param", "DELETE", "/workers/18446744073709551615")
+        r.call("delete_u64_overflow_path_param", "DELETE", "/workers/18446744073709551616")
+        r.call("upsert_worker_id_u64_max", "POST", "/workers",
+               worker(18446744073709551615, zmq_base + 15, model_name="m-big"))
+        r.call("upsert_worker_id_negative", "POST", "/workers", worker(-1, zmq_base + 15))
+        r.call("upsert_worker_id_string", "POST", "/workers", worker("7", zmq_base + 15))
+        r.call("upsert_worker_id_missing", "POST", "/workers", {"endpoint": "http://x", "block_size": 4})
+        r.call("upsert_block_size_over_u32", "POST", "/workers", worker(20, zmq_base + 15, block_size=4294967296))
+        r.call("delete_all_schedulable_then_ready", "DELETE", "/workers/2")
+        for wid in (3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 18446744073709551615):
+            quiet_delete(port, f"/workers/{wid}")
+        r.call("ready_after_deleting_all", "GET", "/ready")
+        r.call("list_workers_after_deleting_all", "GET", "/workers")
+    finally:
+        pub.close()
+
+
+def quiet_delete(port, path):
+    req = urllib.request.Request(f"http://{HOST}:{port}{path}", method="DELETE")
+    try:
+        urllib.request.urlopen(req, timeout=5).read()
+    except urllib.error.HTTPError:
+        pass
+
+
+def scenario_select(r, port, zmq_base):
+    pub_a = FakeEnginePublisher(zmq_base)
+    pub_b = FakeEnginePublisher(zmq_base + 1)
+    try:
+        r.call("select_no_workers", "POST", "/select", {"token_ids": TOKENS_17})
+        r.call("upsert_worker_a", "POST", "/workers", worker(1, zmq_base))
+        r.call("upsert_worker_b", "POST", "/workers", worker(2, zmq_base + 1))
+        r.call("upsert_worker_c_no_kv_events", "POST", "/workers", worker(3))
+        assert pub_a.wait_subscribed() and pub_b.wait_subscribed()
+        # worker 1 holds blocks 0-1 on GPU and 2-3 on CPU; worker 2 holds block 0 on GPU.
+        seed_events(pub_a, TOKENS_17, [1001, 1002, 1003, 1004], ["GPU", "GPU", "CPU", "CPU"])
+        wait_overlap(port, TOKENS_17, 1, 2, host_blocks=4)
+        seed_events(pub_b, TOKENS_17, [2001])
+        wait_overlap(port, TOKENS_17, 2, 1)
+        r.call("overlap_scores_tokens", "POST", "/overlap_scores", {"token_ids": TOKENS_17})
+        r.call("select_token_ids", "POST", "/select", {"token_ids": TOKENS_17})
+        r.call("select_hashes", "POST", "/select", {
+            "block_hashes": LOCAL_HASHES_I64, "sequence_hashes": SEQ_HASHES_I64, "isl_tokens": 17})
+        r.call("select_hashes_unsigned_block_hashes", "POST", "/select", {
+            "block_hashes": LOCAL_HASHES_U64, "sequence_hashes": SEQ_HASHES_I64, "isl_tokens": 17},
+            note="u64 values above i64::MAX in block_hashes")
+        r.call("select_with_selection_id", "POST", "/select",
+               {"token_ids": TOKENS_17, "selection_id": "sel-1"})
+        r.call("select_explicit_model_and_group", "POST", "/select",
+               {"token_ids": TOKENS_17, "model_name": "default", "routing_group": "default"})
+        r.call("select_tenant_id_alias", "POST", "/select",
+               {"token_ids": TOKENS_17, "tenant_id": "default"})
+        r.call("select_advisory", "POST", "/select", {"token_ids": TOKENS_17, "advisory": True})
+        r.call("select_expected_output_tokens", "POST", "/select",
+               {"token_ids": TOKENS_17, "expected_output_tokens": 32})
+        r.call("select_override_no_overlap_credit", "POST", "/select",
+               {"token_ids": TOKENS_17, "router_config_override": {"overlap_score_credit": 0.0}})
+        r.call("select_override_all_fields", "POST", "/select", {
+            "token_ids": TOKENS_17, "router_config_override": {
+                "overlap_score_credit": 2.0, "prefill_load_scale": 0.5, "router_temperature": 0.0,
+                "track_prefill_tokens": False}})
+        r.call("select_override_temperature", "POST", "/select",
+               {"token_ids": TOKENS_17, "router_config_override": {"router_temperature": 1.0}})
+        r.call("select_override_unknown_key", "POST", "/select",
+               {"token_ids": TOKENS_17, "router_config_override": {"no_such_knob": 1}})
+        r.call("select_pinned_worker", "POST", "/select",
+               {"token_ids": TOKENS_17, "pinned_worker": {"worker_id": 2, "dp_rank": 0}})
+        r.call("select_pinned_worker_no_dp_rank", "POST", "/select",
+               {"token_ids": TOKENS_17, "pinned_worker": {"worker_id": 2}})
+        r.call("select_pinned_incomplete_worker", "POST", "/select",
+               {"token_ids": TOKENS_17, "pinned_worker": {"worker_id": 3, "dp_rank": 0}})
+        r.call("select_pinned_unknown_worker", "POST", "/select",
+               {"token_ids": TOKENS_17, "pinned_worker": {"worker_id": 99, "dp_rank": 0}})
+        r.call("select_pinned_bad_dp_rank", "POST", "/select",
+               {"token_ids": TOKENS_17, "pinned_worker": {"worker_id": 2, "dp_rank": 5}})
+        r.call("select_allowed_worker_ids", "POST", "/select",
+               {"token_ids": TOKENS_17, "allowed_worker_ids": [2]})
+        r.call("select_allowed_worker_ids_none_available", "POST", "/select",
+               {"token_ids": TOKENS_17, "allowed_worker_ids": [3, 99]})
+        r.call("select_allowed_worker_ids_empty", "POST", "/select",
+               {"token_ids": TOKENS_17, "allowed_worker_ids": []})
+        r.call("select_lora_name", "POST", "/select", {"token_ids": TOKENS_17, "lora_name": "adapter-a"},
+               note="no overlap on either worker: a cost tie, broken at random (worker_id arbitrary)")
+        r.call("select_cache_salt", "POST", "/select", {"token_ids": TOKENS_17, "cache_salt": "salt-1"},
+               note="no overlap on either worker: a cost tie, broken at random (worker_id arbitrary)")
+        r.call("select_short_prompt_no_full_block", "POST", "/select", {"token_ids": [1, 2, 3]},
+               note="no overlap on either worker: a cost tie, broken at random (worker_id arbitrary)")
+        r.call("select_other_model_no_workers", "POST", "/select",
+               {"token_ids": TOKENS_17, "model_name": "nope"})
+        r.call("select_session_id", "POST", "/select", {"token_ids": TOKENS_17, "session_id": "sess-1"})
+        r.call("select_unknown_field", "POST", "/select", {"token_ids": TOKENS_17, "no_such_field": 1})
+        r.call("select_and_reserve_no_selection_id", "POST", "/select_and_reserve",
+               {"token_ids": TOKENS_17}, note="selection_id is generated (UUID v4)")
+        r.call("select_and_reserve_with_selection_id", "POST", "/select_and_reserve",
+               {"token_ids": TOKENS_17, "selection_id": "sar-1", "expected_output_tokens": 8})
+        r.call("select_and_reserve_duplicate", "POST", "/select_and_reserve",
+               {"token_ids": TOKENS_17, "selection_id": "sar-1"})
+        r.call("select_and_reserve_hashes", "POST", "/select_and_reserve", {
+            "block_hashes": LOCAL_HASHES_I64, "sequence_hashes": SEQ_HASHES_I64, "isl_tokens": 17,
+            "selection_id": "sar-2"})
+        r.call("select_and_reserve_advisory", "POST", "/select_and_reserve",
+               {"token_ids": TOKENS_17, "selection_id": "sar-3", "advisory": True})
+        r.call("select_and_reserve_pinned", "POST", "/select_and_reserve",
+               {"token_ids": TOKENS_17, "selection_id": "sar-4", "pinned_worker": {"worker_id": 2, "dp_rank": 0}})
+        r.call("select_and_reserve_reservation_id_field", "POST", "/select_and_reserve",
+               {"token_ids": TOKENS_17, "reservation_id": "sar-5"},
+               note="reservation_id is not a Dynamo field")
+        r.call("loads_after_select_and_reserve", "GET", "/loads")
+        r.call("select_after_bookings", "POST", "/select", {"token_ids": TOKENS_17})
+        # KV removal / clear events reflected in overlap
+        pub_a.publish([block_removed([1004], "CPU")])
+        time.sleep(0.5)
+        r.call("overlap_scores_after_block_removed", "POST", "/overlap_scores", {"token_ids": TOKENS_17})
+        r.call("dump", "GET", "/dump")
+    finally:
+        pub_a.close()
+        pub_b.close()
+
+
+def scenario_reservations(r, port, zmq_base):
+    pub = FakeEnginePublisher(zmq_base)
+    try:
+        r.call("replay_no_workers_no_pending", "POST", "/reservations", {"selection_id": "nope"})
+        r.call("upsert_worker_1", "POST", "/workers", worker(1, zmq_base))
+        r.call("upsert_worker_2", "POST", "/workers", worker(2, zmq_base + 1))
+        assert pub.wait_subscribed()
+        seed_events(pub, TOKENS_17, [1001, 1002, 1003, 1004])
+        wait_overlap(port, TOKENS_17, 1, 4)
+        r.call("select_for_replay", "POST", "/select", {
+            "token_ids": TOKENS_17, "selection_id": "r-1", "expected_output_tokens": 16})
+        r.call("replay", "POST", "/reservations", {"selection_id": "r-1"})
+        r.call("replay_again", "POST", "/reservations", {"selection_id": "r-1"})
+        r.call("loads_after_replay", "GET", "/loads")
+        r.call("replay_other_partition", "POST", "/reservations",
+               {"selection_id": "r-x", "model_name": "other"})
+        r.call("select_for_replay_with_ignored_fields", "POST", "/select",
+               {"token_ids": TOKENS_17, "selection_id": "r-2"})
+        r.call("replay_with_ignored_fields", "POST", "/reservations", {
+            "selection_id": "r-2", "dp_rank": 3, "token_ids": [9, 9, 9, 9], "isl_tokens": 4,
+            "effective_prefill_tokens": 1, "expected_output_tokens": 1},
+            note="a replay ignores everything except ids/model/group")
+        r.call("select_for_replay_wrong_partition", "POST", "/select",
+               {"token_ids": TOKENS_17, "selection_id": "r-3"})
+        r.call("replay_wrong_partition", "POST", "/reservations",
+               {"selection_id": "r-3", "model_name": "other"})
+        r.call("replay_reservation_id_field_ignored", "POST", "/reservations",
+               {"selection_id": "r-3", "reservation_id": "res-3"},
+               note="reservation_id is not a Dynamo field; booked under selection_id")
+        r.call("missing_selection_id", "POST", "/reservations", {"worker_id": 1, "token_ids": TOKENS_17})
+        r.call("missing_selection_id_replay", "POST", "/reservations", {})
+        r.call("explicit_tokens", "POST", "/reservations",
+               {"selection_id": "e-1", "worker_id": 2, "dp_rank": 0, "token_ids": TOKENS_17})
+        r.call("explicit_tokens_no_dp_rank", "POST", "/reservations",
+               {"selection_id": "e-2", "worker_id": 2, "token_ids": TOKENS_17})
+        r.call("explicit_hashes_with_effective_prefill", "POST", "/reservations", {
+            "selection_id": "e-3", "worker_id": 1, "dp_rank": 0, "sequence_hashes": SEQ_HASHES_I64,
+            "isl_tokens": 17, "effective_prefill_tokens": 1, "expected_output_tokens": 4})
+        r.call("explicit_track_prefill_false", "POST", "/reservations", {
+            "selection_id": "e-4", "worker_id": 1, "token_ids": TOKENS_17,
+            "track_prefill_tokens": False})
+        r.call("loads_after_explicit", "GET", "/loads")
+        r.call("explicit_effective_prefill_gt_isl", "POST", "/reservations", {
+            "selection_id": "e-5", "worker_id": 1, "token_ids": TOKENS_17,
+            "effective_prefill_tokens": 18})
+        r.call("explicit_duplicate", "POST", "/reservations",
+               {"selection_id": "e-1", "worker_id": 1, "token_ids": TOKENS_17})
+        r.call("explicit_duplicate_same_worker", "POST", "/reservations",
+               {"selection_id": "e-1", "worker_id": 2, "token_ids": TOKENS_17})
+        r.call("explicit_unknown_worker", "POST", "/reservations",
+               {"selection_id": "e-6", "worker_id": 99, "token_ids": TOKENS_17})
+        r.call("explicit_bad_dp_rank", "POST", "/reservations",
+               {"selection_id": "e-7", "worker_id": 1, "dp_rank": 4, "token_ids": TOKENS_17})
+        r.call("explicit_no_prompt", "POST", "/reservations", {"selection_id": "e-8", "worker_id": 1})
+        r.call("explicit_no_isl", "POST", "/reservations",
+               {"selection_id": "e-9", "worker_id": 1, "sequence_hashes": SEQ_HASHES_I64})
+        r.call("explicit_empty_token_ids", "POST", "/reservations",
+               {"selection_id": "e-10", "worker_id": 1, "token_ids": []})
+        r.call("explicit_isl_zero", "POST", "/reservations", {
+            "selection_id": "e-11", "worker_id": 1, "sequence_hashes": [], "isl_tokens": 0})
+        r.call("explicit_other_partition_worker", "POST", "/reservations",
+               {"selection_id": "e-12", "worker_id": 1, "model_name": "other", "token_ids": TOKENS_17})
+        # explicit form discards a cached selection of the same id
+        r.call("select_then_explicit", "POST", "/select", {"token_ids": TOKENS_17, "selection_id": "d-1"})
+        r.call("explicit_discards_cache", "POST", "/reservations",
+               {"selection_id": "d-1", "worker_id": 2, "token_ids": TOKENS_17})
+        r.call("free_d1", "DELETE", "/reservations/d-1")
+        r.call("replay_after_explicit_discard", "POST", "/reservations", {"selection_id": "d-1"})
+        # replay whose worker was deleted
+        r.call("select_before_worker_delete", "POST", "/select", {
+            "token_ids": TOKENS_17, "selection_id": "g-1", "pinned_worker": {"worker_id": 2, "dp_rank": 0}})
+        r.call("delete_worker_2", "DELETE", "/workers/2")
+        r.call("replay_worker_gone", "POST", "/reservations", {"selection_id": "g-1"})
+        r.call("replay_worker_gone_retry", "POST", "/reservations", {"selection_id": "g-1"},
+               note="is the pending entry kept after a failed replay?")
+        r.call("lifecycle_of_deleted_workers_booking", "POST", "/reservations/e-1/prefill_complete")
+        r.call("free_deleted_workers_booking", "DELETE", "/reservations/e-1")
+        # lifecycle, isolated in its own partition on a fresh worker (nothing else booked there)
+        r.call("upsert_worker_3_lifecycle_partition", "POST", "/workers",
+               worker(3, zmq_base + 2, model_name="m-life"))
+        life_tokens = list(range(101, 141))
+        r.call("select_and_reserve_for_lifecycle", "POST", "/select_and_reserve", {
+            "token_ids": life_tokens, "selection_id": "l-1", "model_name": "m-life"},
+            note="40 tokens = 10 full blocks")
+        r.call("loads_l1_booked", "GET", "/loads?model_name=m-life")
+        r.call("prefill_complete", "POST", "/reservations/l-1/prefill_complete")
+        r.call("prefill_complete_again", "POST", "/reservations/l-1/prefill_complete")
+        r.call("prefill_complete_with_body", "POST", "/reservations/l-1/prefill_complete", {})
+        r.call("loads_l1_prefill_done", "GET", "/loads?model_name=m-life")
+        seq = [("output_block_empty_object_1", {}), ("output_block_empty_object_2", {}),
+               ("output_block_decay_0_5", {"decay_fraction": 0.5}),
+               ("output_block_empty_object_3", {}),
+               ("output_block_decay_1_0", {"decay_fraction": 1.0}),
+               ("output_block_decay_0", {"decay_fraction": 0.0}),
+               ("output_block_decay_null", {"decay_fraction": None}),
+               ("output_block_decay_0_25", {"decay_fraction": 0.25})]
+        for i, (name, body) in enumerate(seq, 1):
+            r.call(name, "POST", "/reservations/l-1/output_block", body)
+            r.call(f"loads_after_output_block_{i}", "GET", "/loads?model_name=m-life")
+        r.call("output_block_decay_negative", "POST", "/reservations/l-1/output_block", {"decay_fraction": -0.1})
+        r.call("output_block_decay_above_one", "POST", "/reservations/l-1/output_block", {"decay_fraction": 1.5})
+        r.call("output_block_decay_string", "POST", "/reservations/l-1/output_block", {"decay_fraction": "0.5"})
+        r.call("output_block_unknown_field", "POST", "/reservations/l-1/output_block", {"blocks": 3})
+        r.call("output_block_no_body_no_content_type", "POST", "/reservations/l-1/output_block")
+        r.call("output_block_empty_body_json_content_type", "POST", "/reservations/l-1/output_block", raw=b"")
+        r.call("output_block_unknown_reservation", "POST", "/reservations/nope/output_block", {})
+        r.call("prefill_complete_unknown_reservation", "POST", "/reservations/nope/prefill_complete")
+        r.call("loads_before_free", "GET", "/loads?model_name=m-life")
+        r.call("free", "DELETE", "/reservations/l-1")
+        r.call("free_again", "DELETE", "/reservations/l-1")
+        r.call("free_unknown", "DELETE", "/reservations/nope")
+        r.call("loads_after_free", "GET", "/loads?model_name=m-life")
+        r.call("rebook_freed_id", "POST", "/reservations",
+               {"selection_id": "l-1", "worker_id": 3, "model_name": "m-life", "token_ids": life_tokens})
+        r.call("free_rebooked", "DELETE", "/reservations/l-1")
+        r.call("explicit_on_incomplete_worker", "POST", "/workers", worker(4, None, model_name="m-life"))
+        r.call("explicit_booking_on_incomplete_worker", "POST", "/reservations",
+               {"selection_id": "i-1", "worker_id": 4, "model_name": "m-life", "token_ids": TOKENS_17})
+        r.call("explicit_booking_cross_partition_worker", "POST", "/reservations",
+               {"selection_id": "i-2", "worker_id": 1, "model_name": "m-life", "token_ids": TOKENS_17},
+               note="worker 1 lives in default/default")
+        r.call("reservation_id_with_slash_encoded", "DELETE", "/reservations/a%2Fb")
+        r.call("reservation_id_unicode", "DELETE", "/reservations/%C3%A9")
+        r.call("get_reservation_method_not_allowed", "GET", "/reservations/l-1")
+        r.call("long_selection_id", "POST", "/reservations",
+               {"selection_id": "x" * 2000, "worker_id": 1, "token_ids": TOKENS_17},
+               note="2000-byte id: Dynamo has no length limit")
+        r.call("free_long_selection_id", "DELETE", "/reservations/" + "x" * 2000)
+        r.call("select_before_last_worker_delete", "POST", "/select",
+               {"token_ids": TOKENS_17, "selection_id": "g-2", "model_name": "m-life"})
+        r.call("delete_last_worker_of_partition", "DELETE", "/workers/3")
+        r.call("replay_partition_without_workers", "POST", "/reservations",
+               {"selection_id": "g-2", "model_name": "m-life"})
+        r.call("replay_partition_without_workers_retry", "POST", "/reservations",
+               {"selection_id": "g-2", "model_name": "m-life"})
+        r.call("readd_worker_3", "POST", "/workers", worker(3, zmq_base + 2, model_name="m-life"))
+        r.call("replay_after_worker_back", "POST", "/reservations",
+               {"selection_id": "g-2", "model_name": "m-life"})
+        r.call("free_g2", "DELETE", "/reservations/g-2")
+    finally:
+        pub.close()
+
+
+def scenario_loads(r, port, zmq_base):
+    pub = FakeEnginePublisher(zmq_base)
+    try:
+        r.call("loads_empty", "GET", "/loads")
+        r.call("potential_loads_no_workers", "POST", "/potential_loads", {"token_ids": TOKENS_17})
+        r.call("overlap_scores_no_workers", "POST", "/overlap_scores", {"token_ids": TOKENS_17})
+        r.call("upsert_worker_1", "POST", "/workers", worker(1, zmq_base))
+        r.call("upsert_worker_2_dp2", "POST", "/workers", {
+            "worker_id": 2, "endpoint": "http://worker-2:8000", "block_size": 4,
+            "data_parallel_size": 2, "total_kv_blocks": 100, "max_num_batched_tokens": 64,
+            "kv_events_endpoints": {"0": f"tcp://{HOST}:{zmq_base + 1}",
+                                    "1": f"tcp://{HOST}:{zmq_base + 2}"}})
+        r.call("upsert_worker_3_other_model", "POST", "/workers",
+               worker(3, zmq_base + 3, model_name="m2", routing_group="g2"))
+        assert pub.wait_subscribed()
+        seed_events(pub, TOKENS_17, [1001, 1002, 1003], ["GPU", "CPU", "DISK"])
+        wait_overlap(port, TOKENS_17, 1, 1, host_blocks=2)
+        time.sleep(0.3)
+        r.call("loads_idle", "GET", "/loads")
+        r.call("overlap_scores_tokens", "POST", "/overlap_scores", {"token_ids": TOKENS_17})
+        r.call("overlap_scores_hashes", "POST", "/overlap_scores", {
+            "block_hashes": LOCAL_HASHES_I64, "sequence_hashes": SEQ_HASHES_I64, "isl_tokens": 17})
+        r.call("overlap_scores_other_model", "POST", "/overlap_scores",
+               {"token_ids": TOKENS_17, "model_name": "m2", "routing_group": "g2"})
+        r.call("potential_loads_tokens", "POST", "/potential_loads", {"token_ids": TOKENS_17})
+        r.call("potential_loads_hashes", "POST", "/potential_loads", {
+            "block_hashes": LOCAL_HASHES_I64, "sequence_hashes": SEQ_HASHES_I64, "isl_tokens": 17})
+        r.call("potential_loads_override", "POST", "/potential_loads", {
+            "token_ids": TOKENS_17, "router_config_override": {"track_prefill_tokens": False}})
+        r.call("book_17_tokens_on_worker_1", "POST", "/reservations",
+               {"selection_id": "b-1", "worker_id": 1, "token_ids": TOKENS_17})
+        r.call("book_17_tokens_on_worker_2_rank_1", "POST", "/reservations",
+               {"selection_id": "b-2", "worker_id": 2, "dp_rank": 1, "token_ids": TOKENS_17,
+                "effective_prefill_tokens": 5})
+        r.call("book_m2", "POST", "/reservations",
+               {"selection_id": "b-3", "worker_id": 3, "model_name": "m2", "routing_group": "g2",
+                "token_ids": [1, 2, 3, 4, 5]})
+        r.call("loads_booked", "GET", "/loads")
+        r.call("loads_filter_model", "GET", "/loads?model_name=m2")
+        r.call("loads_filter_routing_group", "GET", "/loads?routing_group=g2")
+        r.call("loads_filter_tenant_id", "GET", "/loads?tenant_id=g2")
+        r.call("loads_filter_unknown", "GET", "/loads?model_name=nope")
+        r.call("potential_loads_after_booking", "POST", "/potential_loads", {"token_ids": TOKENS_17})
+        r.call("select_after_booking", "POST", "/select", {"token_ids": TOKENS_17})
+        r.call("select_pinned_dp_rank_1", "POST", "/select",
+               {"token_ids": TOKENS_17, "pinned_worker": {"worker_id": 2, "dp_rank": 1}, "advisory": True})
+        r.call("select_allowed_dp_worker", "POST", "/select",
+               {"token_ids": TOKENS_17, "allowed_worker_ids": [2]},
+               note="rank 0 is idle, rank 1 holds booking b-2")
+        r.call("overlap_scores_empty_tokens", "POST", "/overlap_scores", {"token_ids": []})
+        r.call("potential_loads_empty_tokens", "POST", "/potential_loads", {"token_ids": []})
+        r.call("dump", "GET", "/dump")
+        for path in ("/workers/1", "/workers/2", "/workers/3"):
+            quiet_delete(port, path)
+        r.call("loads_after_deleting_all_workers", "GET", "/loads")
+        r.call("dump_after_deleting_all_workers", "GET", "/dump")
+    finally:
+        pub.close()
+
+
+def scenario_errors(r, port, zmq_base):
+    big = {"token_ids": [1] * 10}
+    r.call("select_no_workers", "POST", "/select", {"token_ids": TOKENS_17})
+    r.call("select_and_reserve_no_workers", "POST", "/select_and_reserve", {"token_ids": TOKENS_17})
+    r.call("potential_loads_no_workers", "POST", "/potential_loads", {"token_ids": TOKENS_17})
+    r.call("explicit_reservation_no_workers", "POST", "/reservations",
+           {"selection_id": "x", "worker_id": 1, "token_ids": TOKENS_17})
+    r.call("upsert_incomplete_worker_only", "POST", "/workers", worker(5))
+    r.call("select_only_incomplete_workers", "POST", "/select", {"token_ids": TOKENS_17})
+    r.call("upsert_worker", "POST", "/workers", worker(1, zmq_base))
+    # prompt validation
+    r.call("select_empty_token_ids", "POST", "/select", {"token_ids": []})
+    r.call("select_and_reserve_empty_token_ids", "POST", "/select_and_reserve",
+           {"token_ids": [], "selection_id": "z-1"})
+    r.call("select_missing_prompt", "POST", "/select", {})
+    r.call("select_missing_sequence_hashes", "POST", "/select",
+           {"block_hashes": LOCAL_HASHES_I64, "isl_tokens": 17})
+    r.call("select_missing_isl_tokens", "POST", "/select",
+           {"block_hashes": LOCAL_HASHES_I64, "sequence_hashes": SEQ_HASHES_I64})
+    r.call("select_mismatched_hash_lengths", "POST", "/select",
+           {"block_hashes": LOCAL_HASHES_I64, "sequence_hashes": SEQ_HASHES_I64[:2], "isl_tokens": 17})
+    r.call("select_isl_zero", "POST", "/select",
+           {"block_hashes": LOCAL_HASHES_I64, "sequence_hashes": SEQ_HASHES_I64, "isl_tokens": 0})
+    r.call("select_empty_hashes", "POST", "/select",
+           {"block_hashes": [], "sequence_hashes": [], "isl_tokens": 3})
+    r.call("select_isl_less_than_blocks", "POST", "/select",
+           {"block_hashes": LOCAL_HASHES_I64, "sequence_hashes": SEQ_HASHES_I64, "isl_tokens": 5})
+    r.call("select_tokens_and_hashes", "POST", "/select",
+           {"token_ids": [1, 2, 3, 4, 5], "block_hashes": [1], "sequence_hashes": [1, 2], "isl_tokens": 0},
+           note="token_ids wins; hashes are ignored")
+    r.call("reservation_missing_sequence_hashes", "POST", "/reservations",
+           {"selection_id": "z-2", "worker_id": 1, "isl_tokens": 17})
+    # JSON / type errors
+    r.call("malformed_json", "POST", "/select", raw=b'{"token_ids": [1,2,')
+    r.call("trailing_data", "POST", "/select", raw=b'{"token_ids": [1,2,3,4]} x')
+    r.call("byte_order_mark", "POST", "/select", raw=b'\xef\xbb\xbf{"token_ids": [1,2,3,4]}')
+    r.call("duplicate_keys", "POST", "/select", raw=b'{"token_ids": [1,2,3,4], "token_ids": [5,6,7,8]}')
+    r.call("not_an_object", "POST", "/select", raw=b'[1,2,3]')
+    r.call("empty_body_json_content_type", "POST", "/select", raw=b'')
+    r.call("no_content_type", "POST", "/select", raw=json.dumps(big).encode(), content_type=None)
+    r.call("text_plain_content_type", "POST", "/select", raw=json.dumps(big).encode(),
+           content_type="text/plain")
+    r.call("json_charset_content_type", "POST", "/select", raw=json.dumps(big).encode(),
+           content_type="application/json; charset=utf-8")
+    r.call("vendor_json_content_type", "POST", "/select", raw=json.dumps(big).encode(),
+           content_type="application/vnd.api+json")
+    r.call("token_ids_string", "POST", "/select", {"token_ids": "1,2,3"})
+    r.call("token_ids_negative", "POST", "/select", {"token_ids": [1, -2, 3, 4]})
+    r.call("token_ids_over_u32", "POST", "/select", {"token_ids": [1, 4294967296, 3, 4]})
+    r.call("token_ids_float", "POST", "/select", {"token_ids": [1.5, 2, 3, 4]})
+    r.call("isl_tokens_negative", "POST", "/select",
+           {"block_hashes": [1], "sequence_hashes": [1], "isl_tokens": -1})
+    r.call("block_hashes_over_i64_u64", "POST", "/select",
+           {"block_hashes": [18446744073709551616], "sequence_hashes": [1], "isl_tokens": 4})
+    r.call("model_name_number", "POST", "/select", {"token_ids": TOKENS_17, "model_name": 5})
+    r.call("selection_id_number", "POST", "/select", {"token_ids": TOKENS_17, "selection_id": 5})
+    r.call("advisory_string", "POST", "/select", {"token_ids": TOKENS_17, "advisory": "yes"})
+    r.call("allowed_worker_ids_string", "POST", "/select", {"token_ids": TOKENS_17, "allowed_worker_ids": "1"})
+    r.call("pinned_worker_missing_worker_id", "POST", "/select",
+           {"token_ids": TOKENS_17, "pinned_worker": {"dp_rank": 0}})
+    r.call("router_config_override_wrong_type", "POST", "/select",
+           {"token_ids": TOKENS_17, "router_config_override": {"overlap_score_credit": "high"}})
+    r.call("reservation_worker_id_string", "POST", "/reservations",
+           {"selection_id": "z-3", "worker_id": "1", "token_ids": TOKENS_17})
+    r.call("reservation_selection_id_null", "POST", "/reservations", {"selection_id": None})
+    r.call("worker_block_size_string", "POST", "/workers", worker(9, zmq_base, block_size="4"))
+    r.call("long_model_name", "POST", "/select", {"token_ids": TOKENS_17, "model_name": "m" * 2000})
+    # routing errors
+    r.call("unknown_route", "GET", "/no_such_route")
+    r.call("unknown_route_post", "POST", "/no_such_route", {})
+    r.call("root", "GET", "/")
+    r.call("trailing_slash", "GET", "/workers/")
+    r.call("wrong_method_get_select", "GET", "/select")
+    r.call("wrong_method_put_workers", "PUT", "/workers", worker(1, zmq_base))
+    r.call("wrong_method_delete_workers", "DELETE", "/workers")
+    r.call("wrong_method_get_worker", "GET", "/workers/1")
+    r.call("wrong_method_post_health", "POST", "/health", {})
+    r.call("wrong_method_get_output_block", "GET", "/reservations/x/output_block")
+    r.call("wrong_method_post_loads", "POST", "/loads", {})
+    r.call("bad_path_param_patch", "PATCH", "/workers/abc", {})
+    r.call("bad_path_param_delete", "DELETE", "/workers/1.5")
+    r.call("metrics", "GET", "/metrics")
+    r.call("openapi_json", "GET", "/openapi.json")
+    r.call("docs", "GET", "/docs")
+    # body size limit (8 MiB in Dynamo's source: REQUEST_BODY_LIMIT_BYTES)
+    limit = 8 * 1024 * 1024
+    for name, size in (("body_just_under_8mib", limit - 64), ("body_over_8mib", limit + 1)):
+        prefix = b'{"token_ids": [1,2,3,4], "pad": "'
+        suffix = b'"}'
+        pad = b"a" * (size - len(prefix) - len(suffix))
+        r.call(name, "POST", "/select", raw=prefix + pad + suffix, record_request=False,
+               note=f"JSON body of exactly {size} bytes: token_ids [1,2,3,4] plus a string pad field")
+
+
+def scenario_misc(r, port, zmq_base):
+    r.call("health", "GET", "/health")
+    r.call("health_head", "HEAD", "/health")
+    r.call("ready", "GET", "/ready")
+    r.call("loads", "GET", "/loads")
+    r.call("dump_empty", "GET", "/dump")
+    r.call("metrics", "GET", "/metrics", truncate=4000)
+    r.call("openapi_json", "GET", "/openapi.json")
+    r.call("replica_sync_peers", "GET", "/replica_sync/peers")
+    r.call("replica_sync_register_peer_disabled", "POST", "/replica_sync/register_peer",
+           {"endpoint": f"tcp://{HOST}:{zmq_base}"})
+    r.call("replica_sync_deregister_peer_disabled", "POST", "/replica_sync/deregister_peer",
+           {"endpoint": f"tcp://{HOST}:{zmq_base}"})
+
+
+def write_doc(path, doc, list_key):
+    """Compact but diffable: header fields first, then one list item per line."""
+    with open(path, "w") as f:
+        f.write("{\n")
+        for k, v in doc.items():
+            if k != list_key:
+                f.write(f" {json.dumps(k)}: {json.dumps(v, separators=(',', ':'))},\n")
+        f.write(f" {json.dumps(list_key)}: [\n")
+        items = doc[list_key]
+        for i, item in enumerate(items):
+            sep = "," if i + 1 < len(items) else ""
+            f.write("  " + json.dumps(item, separators=(",", ":")) + sep + "\n")
+        f.write(" ]\n}\n")
+
+
+SCENARIOS = {
+    "workers": scenario_workers,
+    "select": scenario_select,
+    "reservations": scenario_reservations,
+    "loads": scenario_loads,
+    "errors": scenario_errors,
+    "misc": scenario_misc,
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dynamo-python", default="/work/venv-dynamo/bin/python")
+    ap.add_argument("--port", type=int, default=18080)
+    ap.add_argument("--zmq-base-port", type=int, default=25557)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--log", default="/tmp/dynamo-select-service.log")
+    ap.add_argument("--only", nargs="*")
+    args = ap.parse_args()
+    assert_loopback_only_netns()
+    os.makedirs(args.out, exist_ok=True)
+    version = subprocess.run(
+        [args.dynamo_python, "-c", "import importlib.metadata as m; print(m.version('ai-dynamo-runtime'))"],
+        capture_output=True, text=True, check=True).stdout.strip()
+    for i, (name, fn) in enumerate(SCENARIOS.items()):
+        if args.only and name not in args.only:
+            continue
+        print(f"scenario {name} ...", flush=True)
+        svc = Service(args.dynamo_python, args.port, args.log)
+        rec = Recorder(args.port)
+        try:
+            fn(rec, args.port, args.zmq_base_port + 100 * i)
+        finally:
+            svc.stop()
+        doc = {
+            "dynamo_version": version,
+            "scenario": name,
+            "service": f"python -m dynamo.select_service --port {args.port}",
+            "exchanges": rec.exchanges,
+        }
+        path = os.path.join(args.out, f"{name}.json")
+        write_doc(path, doc, "exchanges")
+        print(f"  {len(rec.exchanges)} exchanges -> {path}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
