@@ -26,20 +26,17 @@ pub fn seed_for(lora_name: Option<&str>, cache_salt: Option<&str>) -> u64 {
 }
 
 /// Hash of one block of tokens with the given seed.
+#[cfg(target_endian = "little")]
 pub fn block_hash(tokens: &[u32], seed: u64) -> u64 {
-    // Tokens are hashed as their little-endian bytes. A fixed stack buffer covers common block
-    // sizes without allocating; larger blocks fall back to a heap buffer.
-    let mut stack = [0u8; 1024];
-    let len = tokens.len() * 4;
-    if len <= stack.len() {
-        for (chunk, token) in stack.chunks_exact_mut(4).zip(tokens) {
-            chunk.copy_from_slice(&token.to_le_bytes());
-        }
-        xxh3_64_with_seed(&stack[..len], seed)
-    } else {
-        let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
-        xxh3_64_with_seed(&bytes, seed)
-    }
+    // On little-endian machines the in-memory bytes of the tokens are their LE encoding.
+    xxh3_64_with_seed(bytemuck::cast_slice(tokens), seed)
+}
+
+/// Hash of one block of tokens with the given seed.
+#[cfg(not(target_endian = "little"))]
+pub fn block_hash(tokens: &[u32], seed: u64) -> u64 {
+    let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+    xxh3_64_with_seed(&bytes, seed)
 }
 
 /// Local hashes of every full block of `tokens`. Returns an empty vector for `block_size == 0`.
@@ -166,7 +163,7 @@ mod tests {
     }
 
     #[test]
-    fn large_blocks_use_the_heap_path_with_the_same_result() {
+    fn block_hash_hashes_little_endian_token_bytes() {
         let tokens: Vec<u32> = (0..1000).collect();
         let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
         assert_eq!(

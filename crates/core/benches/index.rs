@@ -1,0 +1,135 @@
+//! Index benches: hashing a 128k-token prompt, `find_matches` for a 2,048-block prompt against
+//! 8 / 64 / 1,000 ranks (each holding a random-length prefix of it plus unrelated chains from the
+//! Mooncake conversation trace), and applying `Stored` events from the same trace.
+//! Besides criterion's figures it prints lookup p50/p99 over 2,000 timed lookups and the index's
+//! bytes per (block, rank) pair.
+
+mod common;
+
+use common::{BLOCK_SIZE, fleet_events, store_event, trace_prompts};
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use kvroute_core::event::Rank;
+use kvroute_core::hash::{BASE_SEED, PromptHashes, local_hashes, sequence_hashes};
+use kvroute_core::index::RadixIndex;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use std::collections::HashSet;
+use std::hint::black_box;
+use std::time::Instant;
+
+const PROMPT_TOKENS: usize = 131_072;
+const PROMPT_BLOCKS: usize = PROMPT_TOKENS / BLOCK_SIZE;
+
+fn long_prompt() -> Vec<u32> {
+    (0..PROMPT_TOKENS as u32)
+        .map(|t| t.wrapping_mul(2_654_435_761) % 150_000)
+        .collect()
+}
+
+fn bench_hashing(c: &mut Criterion) {
+    let tokens = long_prompt();
+    let mut group = c.benchmark_group("hash");
+    group.throughput(Throughput::Bytes((PROMPT_TOKENS * 4) as u64));
+    group.bench_function("hash_131072_tokens_block_64", |b| {
+        b.iter(|| PromptHashes::from_tokens(black_box(&tokens), BLOCK_SIZE, BASE_SEED))
+    });
+    group.finish();
+}
+
+/// An index where `ranks` ranks each hold a random-length prefix of the long prompt, plus the
+/// trace's requests dealt over them.
+fn fleet_with_prompt(ranks: u64, prompts: &[Vec<u64>], query_local: &[u64]) -> RadixIndex {
+    let mut index = RadixIndex::default();
+    for (rank, event) in fleet_events(ranks, prompts) {
+        index.apply(rank, &event);
+    }
+    let mut rng = SmallRng::seed_from_u64(7);
+    for r in 0..ranks {
+        let len = rng.random_range(0..=query_local.len());
+        let mut held = HashSet::new();
+        if let Some(event) = store_event(&mut held, &query_local[..len]) {
+            index.apply(Rank::new(r, 0), &event);
+        }
+    }
+    index
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+fn bench_find_matches(c: &mut Criterion) {
+    let prompts = trace_prompts(usize::MAX);
+    let query_local = local_hashes(&long_prompt(), BLOCK_SIZE, BASE_SEED);
+    assert_eq!(query_local.len(), PROMPT_BLOCKS);
+    let query = sequence_hashes(&query_local);
+    let mut group = c.benchmark_group("find_matches");
+    for ranks in [8u64, 64, 1000] {
+        let index = fleet_with_prompt(ranks, &prompts, &query_local);
+        let mut samples: Vec<f64> = (0..2000)
+            .map(|_| {
+                let start = Instant::now();
+                black_box(index.find_matches(black_box(&query)));
+                start.elapsed().as_secs_f64() * 1e6
+            })
+            .collect();
+        samples.sort_by(f64::total_cmp);
+        let pairs = index.held_pairs();
+        println!(
+            "find_matches_2048_blocks_x_{ranks}_ranks: p50 {:.1} us, p99 {:.1} us; index {} blocks, {} (block, rank) pairs, {:.1} MiB, {:.1} bytes/pair",
+            percentile(&samples, 0.5),
+            percentile(&samples, 0.99),
+            index.block_count(),
+            pairs,
+            index.memory_bytes() as f64 / (1 << 20) as f64,
+            index.memory_bytes() as f64 / pairs as f64
+        );
+        group.bench_with_input(
+            BenchmarkId::new("find_matches_2048_blocks", format!("{ranks}_ranks")),
+            &index,
+            |b, index| b.iter(|| index.find_matches(black_box(&query))),
+        );
+    }
+    group.finish();
+}
+
+fn bench_apply_stored(c: &mut Criterion) {
+    let prompts = trace_prompts(usize::MAX);
+    let mut group = c.benchmark_group("apply");
+    group.sample_size(10);
+    for ranks in [64u64, 1000] {
+        let events = fleet_events(ranks, &prompts);
+        let blocks: usize = events
+            .iter()
+            .map(|(_, e)| match e {
+                kvroute_core::event::KvEvent::Stored { blocks, .. } => blocks.len(),
+                _ => 0,
+            })
+            .sum();
+        group.throughput(Throughput::Elements(blocks as u64));
+        group.bench_function(
+            BenchmarkId::new(
+                "apply_stored_mooncake_trace",
+                format!("{ranks}_ranks_{blocks}_blocks"),
+            ),
+            |b| {
+                b.iter(|| {
+                    let mut index = RadixIndex::default();
+                    for (rank, event) in &events {
+                        index.apply(*rank, event);
+                    }
+                    index
+                })
+            },
+        );
+    }
+    group.finish();
+}
+
+criterion_group!(
+    benches,
+    bench_hashing,
+    bench_find_matches,
+    bench_apply_stored
+);
+criterion_main!(benches);
