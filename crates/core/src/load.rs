@@ -1,1 +1,1613 @@
-//! Per-rank load tracking (in progress).
+//! Per-rank load tracking (SPEC §5): the load kvroute has sent to each rank and not yet seen
+//! finish, kept under the reservation ids of the bookings that carry it.
+//!
+//! One [`LoadTracker`] serves the whole service (reservation ids are unique service-wide). For each
+//! rank it reports [`RankLoad`]: active prefill tokens, active decode blocks and active requests.
+//!
+//! # Block accounting
+//! A booking's prompt holds `ceil(isl_tokens / block_size)` blocks (SPEC §7.7). Its full blocks
+//! (`sequence_hashes`) are reference counted per rank, so a block shared by several live bookings
+//! on one rank counts once (and a hash repeated inside one prompt also counts once). Every other
+//! block of the booking is *private*: the trailing partial block, and the output blocks reported by
+//! [`LoadTracker::output_block`]. Each booking keeps one signed `private` adjustment, so that its
+//! own contribution (its decode blocks if it were alone on the rank) is
+//! `full blocks + private`:
+//! - at booking, `private` = prompt blocks − full blocks (1 for a partial block, else 0);
+//! - an output block without a decay fraction adds 1;
+//! - an output block with decay fraction `f` sets the contribution to
+//!   `round(f × (prompt blocks + output blocks so far))` (half rounds up), i.e. `private` becomes
+//!   that target − full blocks, which is negative when the target is below the full blocks.
+//!
+//! A rank's decode blocks are `|distinct live full-block hashes| + Σ private`, reported clamped at
+//! 0 (a decay can ask for fewer blocks than a shared prefix still holds).
+//!
+//! # Invariants
+//! - A rank has state iff it has at least one live booking; its `blocks` map holds, for each
+//!   hash of its live bookings' `sequence_hashes`, the number of occurrences (≥ 1).
+//! - `holders[h]` lists exactly the rank slots whose `blocks` contain `h`, and each such entry's
+//!   `holder_index` is its position there. This inverted index lets [`LoadTracker::potential_decode`]
+//!   answer for every rank in one pass over the prompt.
+//! - A rank's `private_blocks`, `prefill_tokens` and `requests` are the sums over its live bookings
+//!   of their `private`, active prefill tokens and 1.
+//! - The idle index, ordered by `(last_touched, serial)`, holds exactly one element per live
+//!   booking (no tombstones). `serial` is unique per booking, so equal instants do not collide.
+//! - An error leaves the tracker unchanged; arguments are validated before anything is mutated.
+//!
+//! # Complexity
+//! `P` = blocks in a prompt, `n` = live bookings, `R` = ranks with bookings. Hash maps are O(1)
+//! expected.
+//! - `book` and `free`: O(P + log n). `prefill_complete` and `output_block`: O(log n) (re-keying
+//!   the idle index).
+//! - `expire`: O((k + 1) log n + freed blocks) for `k` expired bookings; it never scans live ones.
+//! - `free_rank` / `free_worker`: O(n) scan plus the frees (worker deletion is rare).
+//! - `rank_load`, `bookings_of`: O(1). `ranks`: O(R).
+//! - [`LoadTracker::potential_decode_blocks`] (one rank): O(P): it must see every prompt hash to be
+//!   exact. To score many ranks use [`LoadTracker::potential_decode`]: one pass over the prompt,
+//!   O(P + Σ over the prompt's distinct hashes of the ranks holding them) (the true size of the
+//!   overlap, typically a shared prefix on a few ranks), then O(1) per rank.
+//!
+//! Memory: per live booking one map slot, one idle-index node and its shared `Arc` of hashes; per
+//! (rank, distinct hash) pair one `blocks` slot and one `holders` entry.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hashbrown::hash_map::Entry;
+use hashbrown::{HashMap, HashSet};
+use smallvec::SmallVec;
+
+use crate::event::{Rank, WorkerId};
+
+/// Failures of the load tracker. `Display` renders the client-facing messages of SPEC §7.4.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum LoadError {
+    /// A live booking already uses this reservation id (409).
+    #[error("Request {reservation_id} already exists (assigned to worker {worker_id})")]
+    Duplicate {
+        reservation_id: String,
+        worker_id: WorkerId,
+    },
+    /// No live booking has this reservation id (404).
+    #[error("reservation {reservation_id} not found")]
+    NotFound { reservation_id: String },
+    /// `decay_fraction` outside `[0, 1]`, or NaN (400).
+    #[error("decay_fraction must be between 0.0 and 1.0")]
+    BadDecayFraction { decay_fraction: f64 },
+    /// A booking with `block_size` 0 (the edge validates this first; the tracker refuses it too
+    /// rather than divide by zero).
+    #[error("block_size must be greater than 0")]
+    ZeroBlockSize,
+}
+
+/// The inputs of one booking (SPEC §5 `book`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Booking {
+    pub reservation_id: String,
+    pub rank: Rank,
+    pub block_size: u32,
+    /// Sequence hashes of the prompt's full blocks.
+    pub sequence_hashes: Arc<[u64]>,
+    pub isl_tokens: u64,
+    pub effective_prefill_tokens: u64,
+    pub expected_output_tokens: Option<u64>,
+    /// Whether `effective_prefill_tokens` count as prefill load until `prefill_complete`.
+    pub track_prefill_tokens: bool,
+}
+
+/// What a successful [`LoadTracker::book`] added.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BookOutcome {
+    /// `ceil(isl_tokens / block_size)` (or the number of full hashes, if larger).
+    pub prompt_blocks: u64,
+    /// Full blocks the rank already counted (shared with its other live bookings).
+    pub shared_blocks: u64,
+    /// Prefill tokens added to the rank's load (0 when prefill is not tracked).
+    pub prefill_tokens: u64,
+}
+
+/// A live booking as the tracker holds it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BookingView {
+    pub rank: Rank,
+    pub block_size: u32,
+    pub sequence_hashes: Arc<[u64]>,
+    pub isl_tokens: u64,
+    /// `max(ceil(isl_tokens / block_size), sequence_hashes.len())`.
+    pub prompt_blocks: u64,
+    pub effective_prefill_tokens: u64,
+    pub expected_output_tokens: Option<u64>,
+    pub track_prefill_tokens: bool,
+    pub prefill_complete: bool,
+    /// Prefill tokens this booking currently adds to its rank (0 once prefill completed).
+    pub active_prefill_tokens: u64,
+    /// Output blocks reported so far.
+    pub output_blocks: u64,
+    /// This booking's own decode contribution: its decode blocks were it alone on the rank.
+    pub decode_blocks: u64,
+    pub booked_at: Instant,
+    /// The `now` of the last lifecycle call (or of the booking); expiry counts from here.
+    pub last_touched: Instant,
+}
+
+/// A booking removed by `free`, `expire`, `free_rank` or `free_worker`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FreedBooking {
+    pub reservation_id: Arc<str>,
+    pub booking: BookingView,
+}
+
+/// The active load of one rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RankLoad {
+    pub active_prefill_tokens: u64,
+    pub active_decode_blocks: u64,
+    pub active_requests: u64,
+}
+
+/// Per-rank load of every live booking, keyed by reservation id. See the module docs.
+#[derive(Debug, Default)]
+pub struct LoadTracker {
+    bookings: HashMap<Arc<str>, BookingState>,
+    /// `(last_touched, serial)` of every live booking, oldest first.
+    idle_order: BTreeMap<(Instant, u64), Arc<str>>,
+    next_serial: u64,
+    ranks: RankTable,
+}
+
+#[derive(Debug)]
+struct BookingState {
+    view: BookingView,
+    /// Contribution − full blocks (see the module docs); may be negative after a decay.
+    private_blocks: i128,
+    serial: u64,
+}
+
+impl LoadTracker {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Books `booking` on its rank. Refuses a live duplicate id (naming the worker that holds it)
+    /// and a zero block size; either way nothing changes.
+    pub fn book(&mut self, booking: Booking, now: Instant) -> Result<BookOutcome, LoadError> {
+        if booking.block_size == 0 {
+            return Err(LoadError::ZeroBlockSize);
+        }
+        if let Some(existing) = self.bookings.get(booking.reservation_id.as_str()) {
+            return Err(LoadError::Duplicate {
+                reservation_id: booking.reservation_id,
+                worker_id: existing.view.rank.worker_id,
+            });
+        }
+        let full_blocks = booking.sequence_hashes.len() as u64;
+        let prompt_blocks = booking
+            .isl_tokens
+            .div_ceil(u64::from(booking.block_size))
+            .max(full_blocks);
+        let private_blocks = i128::from(prompt_blocks - full_blocks);
+        let prefill_tokens = if booking.track_prefill_tokens {
+            booking.effective_prefill_tokens
+        } else {
+            0
+        };
+
+        let slot = self.ranks.slot_or_insert(booking.rank);
+        let mut shared_blocks = 0;
+        for &hash in booking.sequence_hashes.iter() {
+            if self.ranks.add_block(slot, hash) {
+                shared_blocks += 1;
+            }
+        }
+        if let Some(rank) = self.ranks.state_mut(slot) {
+            rank.private_blocks += private_blocks;
+            rank.prefill_tokens += u128::from(prefill_tokens);
+            rank.requests += 1;
+        }
+
+        let serial = self.next_serial;
+        self.next_serial += 1;
+        let id: Arc<str> = Arc::from(booking.reservation_id);
+        self.idle_order.insert((now, serial), Arc::clone(&id));
+        let view = BookingView {
+            rank: booking.rank,
+            block_size: booking.block_size,
+            sequence_hashes: booking.sequence_hashes,
+            isl_tokens: booking.isl_tokens,
+            prompt_blocks,
+            effective_prefill_tokens: booking.effective_prefill_tokens,
+            expected_output_tokens: booking.expected_output_tokens,
+            track_prefill_tokens: booking.track_prefill_tokens,
+            prefill_complete: false,
+            active_prefill_tokens: prefill_tokens,
+            output_blocks: 0,
+            decode_blocks: prompt_blocks,
+            booked_at: now,
+            last_touched: now,
+        };
+        self.bookings.insert(
+            id,
+            BookingState {
+                view,
+                private_blocks,
+                serial,
+            },
+        );
+        Ok(BookOutcome {
+            prompt_blocks,
+            shared_blocks,
+            prefill_tokens,
+        })
+    }
+
+    /// The booking's prefill has finished: its prefill tokens leave the rank's load. Idempotent.
+    pub fn prefill_complete(
+        &mut self,
+        reservation_id: &str,
+        now: Instant,
+    ) -> Result<(), LoadError> {
+        let Some((id, state)) = self.bookings.get_key_value_mut(reservation_id) else {
+            return Err(not_found(reservation_id));
+        };
+        touch(&mut self.idle_order, id, state, now);
+        if !state.view.prefill_complete {
+            state.view.prefill_complete = true;
+            let released = std::mem::take(&mut state.view.active_prefill_tokens);
+            if let Some(rank) = self.ranks.get_mut(state.view.rank) {
+                rank.prefill_tokens = rank.prefill_tokens.saturating_sub(u128::from(released));
+            }
+        }
+        Ok(())
+    }
+
+    /// The booking produced one more output block (SPEC §5). Without `decay_fraction` its decode
+    /// contribution grows by 1; with `f ∈ [0, 1]` it becomes `round(f × (prompt blocks + output
+    /// blocks so far))`, half rounding up. A fraction outside `[0, 1]` (or NaN) is refused before
+    /// anything changes, also before the id is looked up.
+    pub fn output_block(
+        &mut self,
+        reservation_id: &str,
+        decay_fraction: Option<f64>,
+        now: Instant,
+    ) -> Result<(), LoadError> {
+        if let Some(f) = decay_fraction
+            && !(0.0..=1.0).contains(&f)
+        {
+            return Err(LoadError::BadDecayFraction { decay_fraction: f });
+        }
+        let Some((id, state)) = self.bookings.get_key_value_mut(reservation_id) else {
+            return Err(not_found(reservation_id));
+        };
+        touch(&mut self.idle_order, id, state, now);
+        let view = &mut state.view;
+        view.output_blocks = view.output_blocks.saturating_add(1);
+        let full_blocks = i128::from(view.sequence_hashes.len() as u64);
+        let new_private = match decay_fraction {
+            None => state.private_blocks + 1,
+            Some(f) => {
+                let blocks = view.prompt_blocks.saturating_add(view.output_blocks);
+                // f64 `round` is half away from zero, i.e. half up for these non-negative values.
+                let target = (f * blocks as f64).round() as u64;
+                i128::from(target) - full_blocks
+            }
+        };
+        if let Some(rank) = self.ranks.get_mut(view.rank) {
+            rank.private_blocks += new_private - state.private_blocks;
+        }
+        state.private_blocks = new_private;
+        view.decode_blocks = clamp_blocks(full_blocks + new_private);
+        Ok(())
+    }
+
+    /// Removes everything the booking holds (implies prefill complete). A second free of the same
+    /// id is [`LoadError::NotFound`].
+    pub fn free(&mut self, reservation_id: &str) -> Result<FreedBooking, LoadError> {
+        self.remove(reservation_id)
+            .ok_or_else(|| not_found(reservation_id))
+    }
+
+    /// Frees every booking with no lifecycle call for at least `max_idle` before `now` (a
+    /// `last_touched` later than `now` counts as idle for zero time), oldest first.
+    pub fn expire(&mut self, now: Instant, max_idle: Duration) -> Vec<FreedBooking> {
+        let mut freed = Vec::new();
+        while let Some((&(last_touched, _), id)) = self.idle_order.first_key_value() {
+            if now.saturating_duration_since(last_touched) < max_idle {
+                break;
+            }
+            let id = Arc::clone(id);
+            match self.remove(&id) {
+                Some(booking) => freed.push(booking),
+                // Unreachable while the idle index mirrors the bookings; drop the stray entry so
+                // the loop still terminates.
+                None => {
+                    self.idle_order.pop_first();
+                }
+            }
+        }
+        freed
+    }
+
+    /// Frees every booking on `rank` (the rank went away); their ids may be booked again.
+    /// O(n) in live bookings.
+    pub fn free_rank(&mut self, rank: Rank) -> Vec<FreedBooking> {
+        if self.bookings_of(rank) == 0 {
+            return Vec::new();
+        }
+        self.remove_where(|view| view.rank == rank)
+    }
+
+    /// Frees every booking on any rank of `worker_id` (the worker was deleted); their ids may be
+    /// booked again. O(n) in live bookings.
+    pub fn free_worker(&mut self, worker_id: WorkerId) -> Vec<FreedBooking> {
+        self.remove_where(|view| view.rank.worker_id == worker_id)
+    }
+
+    /// The rank's active load; zeros for a rank with no bookings.
+    pub fn rank_load(&self, rank: Rank) -> RankLoad {
+        self.ranks
+            .get(rank)
+            .map(RankState::load)
+            .unwrap_or_default()
+    }
+
+    /// The rank's decode blocks if a prompt with these full-block `sequence_hashes` and
+    /// `isl_tokens` were booked there now: its unique active blocks plus the prompt's full blocks
+    /// it does not hold yet plus the prompt's private (partial) block. Equals
+    /// `rank_load(rank).active_decode_blocks` right after such a `book`. A `block_size` of 0 counts
+    /// no partial block.
+    ///
+    /// O(P) for one rank. To score many ranks for one prompt, use [`Self::potential_decode`].
+    pub fn potential_decode_blocks(
+        &self,
+        rank: Rank,
+        sequence_hashes: &[u64],
+        isl_tokens: u64,
+        block_size: u32,
+    ) -> u64 {
+        let state = self.ranks.get(rank);
+        let mut seen = HashSet::with_capacity(sequence_hashes.len());
+        let mut new_blocks: u64 = 0;
+        for &hash in sequence_hashes {
+            if seen.insert(hash) && !state.is_some_and(|s| s.blocks.contains_key(&hash)) {
+                new_blocks += 1;
+            }
+        }
+        let raw = state.map_or(0, RankState::raw_decode_blocks);
+        clamp_blocks(
+            raw + i128::from(new_blocks)
+                + i128::from(private_prompt_blocks(
+                    sequence_hashes,
+                    isl_tokens,
+                    block_size,
+                )),
+        )
+    }
+
+    /// Prepares the potential decode blocks of one prompt on every rank at once: one pass over
+    /// the prompt's distinct hashes and the ranks holding each (O(P + overlap)); then
+    /// [`PotentialDecode::blocks`] answers each rank in O(1), with the same value as
+    /// [`Self::potential_decode_blocks`].
+    pub fn potential_decode(
+        &self,
+        sequence_hashes: &[u64],
+        isl_tokens: u64,
+        block_size: u32,
+    ) -> PotentialDecode<'_> {
+        let mut held_by_slot = vec![0u64; self.ranks.slots.len()];
+        let mut distinct_full_blocks: u64 = 0;
+        let mut seen = HashSet::with_capacity(sequence_hashes.len());
+        // Consecutive blocks of a shared prefix are usually held by the same ranks in the same
+        // order: count such a run once per rank instead of once per block and rank.
+        let mut run: Option<(&[usize], u64)> = None;
+        for &hash in sequence_hashes {
+            if !seen.insert(hash) {
+                continue;
+            }
+            distinct_full_blocks += 1;
+            let Some(holders) = self.ranks.holders.get(&hash) else {
+                continue;
+            };
+            match &mut run {
+                Some((previous, length)) if *previous == holders.as_slice() => *length += 1,
+                _ => {
+                    add_run(&mut held_by_slot, run);
+                    run = Some((holders.as_slice(), 1));
+                }
+            }
+        }
+        add_run(&mut held_by_slot, run);
+        PotentialDecode {
+            tracker: self,
+            held_by_slot,
+            distinct_full_blocks,
+            private_blocks: private_prompt_blocks(sequence_hashes, isl_tokens, block_size),
+        }
+    }
+
+    /// The live booking under `reservation_id`.
+    pub fn booking(&self, reservation_id: &str) -> Option<&BookingView> {
+        self.bookings.get(reservation_id).map(|state| &state.view)
+    }
+
+    /// Live bookings on `rank`.
+    pub fn bookings_of(&self, rank: Rank) -> u64 {
+        self.ranks.get(rank).map_or(0, |state| state.requests)
+    }
+
+    /// Every rank with at least one live booking and its load, in no particular order.
+    pub fn ranks(&self) -> impl Iterator<Item = (Rank, RankLoad)> + '_ {
+        self.ranks
+            .slots
+            .iter()
+            .flatten()
+            .map(|state| (state.rank, state.load()))
+    }
+
+    /// Live bookings.
+    pub fn len(&self) -> usize {
+        self.bookings.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.bookings.is_empty()
+    }
+
+    fn remove(&mut self, reservation_id: &str) -> Option<FreedBooking> {
+        let (id, state) = self.bookings.remove_entry(reservation_id)?;
+        self.idle_order
+            .remove(&(state.view.last_touched, state.serial));
+        if let Some(&slot) = self.ranks.slot_of.get(&state.view.rank) {
+            for &hash in state.view.sequence_hashes.iter() {
+                self.ranks.remove_block(slot, hash);
+            }
+            if let Some(rank) = self.ranks.state_mut(slot) {
+                rank.private_blocks -= state.private_blocks;
+                rank.prefill_tokens = rank
+                    .prefill_tokens
+                    .saturating_sub(u128::from(state.view.active_prefill_tokens));
+                rank.requests = rank.requests.saturating_sub(1);
+            }
+            self.ranks.release_if_unused(slot);
+        }
+        Some(FreedBooking {
+            reservation_id: id,
+            booking: state.view,
+        })
+    }
+
+    fn remove_where(&mut self, matches: impl Fn(&BookingView) -> bool) -> Vec<FreedBooking> {
+        let ids: Vec<Arc<str>> = self
+            .bookings
+            .iter()
+            .filter(|(_, state)| matches(&state.view))
+            .map(|(id, _)| Arc::clone(id))
+            .collect();
+        ids.iter().filter_map(|id| self.remove(id)).collect()
+    }
+}
+
+/// [`LoadTracker::potential_decode`]: one prompt's potential decode blocks on every rank.
+#[derive(Debug)]
+pub struct PotentialDecode<'a> {
+    tracker: &'a LoadTracker,
+    /// Per rank slot: how many of the prompt's distinct full blocks the rank already holds.
+    held_by_slot: Vec<u64>,
+    distinct_full_blocks: u64,
+    private_blocks: u64,
+}
+
+impl PotentialDecode<'_> {
+    /// The rank's decode blocks if the prompt were booked there now. O(1).
+    pub fn blocks(&self, rank: Rank) -> u64 {
+        let new_private = i128::from(self.private_blocks);
+        let Some(&slot) = self.tracker.ranks.slot_of.get(&rank) else {
+            return clamp_blocks(i128::from(self.distinct_full_blocks) + new_private);
+        };
+        let (raw, held) = match self.tracker.ranks.slots.get(slot) {
+            Some(Some(state)) => (
+                state.raw_decode_blocks(),
+                self.held_by_slot.get(slot).copied().unwrap_or(0),
+            ),
+            _ => (0, 0),
+        };
+        clamp_blocks(raw + i128::from(self.distinct_full_blocks.saturating_sub(held)) + new_private)
+    }
+}
+
+/// Credits `length` held blocks to each rank slot of a run.
+fn add_run(held_by_slot: &mut [u64], run: Option<(&[usize], u64)>) {
+    if let Some((slots, length)) = run {
+        for &slot in slots {
+            if let Some(count) = held_by_slot.get_mut(slot) {
+                *count += length;
+            }
+        }
+    }
+}
+
+fn not_found(reservation_id: &str) -> LoadError {
+    LoadError::NotFound {
+        reservation_id: reservation_id.to_owned(),
+    }
+}
+
+/// Moves the booking to `now` in the idle index.
+fn touch(
+    idle_order: &mut BTreeMap<(Instant, u64), Arc<str>>,
+    id: &Arc<str>,
+    state: &mut BookingState,
+    now: Instant,
+) {
+    if state.view.last_touched == now {
+        return;
+    }
+    idle_order.remove(&(state.view.last_touched, state.serial));
+    idle_order.insert((now, state.serial), Arc::clone(id));
+    state.view.last_touched = now;
+}
+
+/// Prompt blocks beyond the full ones: the trailing partial block (and any tokens the caller
+/// gave no hashes for).
+fn private_prompt_blocks(sequence_hashes: &[u64], isl_tokens: u64, block_size: u32) -> u64 {
+    if block_size == 0 {
+        return 0;
+    }
+    isl_tokens
+        .div_ceil(u64::from(block_size))
+        .saturating_sub(sequence_hashes.len() as u64)
+}
+
+fn clamp_blocks(blocks: i128) -> u64 {
+    u64::try_from(blocks.max(0)).unwrap_or(u64::MAX)
+}
+
+/// The load of one rank, summed over its live bookings.
+#[derive(Debug)]
+struct RankState {
+    rank: Rank,
+    /// Full prompt blocks of the live bookings: sequence hash → reference.
+    blocks: HashMap<u64, HeldBlock>,
+    private_blocks: i128,
+    prefill_tokens: u128,
+    requests: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct HeldBlock {
+    /// Occurrences of the hash across the rank's live bookings.
+    refcount: u64,
+    /// Position of this rank's slot in `RankTable::holders[hash]`.
+    holder_index: usize,
+}
+
+impl RankState {
+    fn raw_decode_blocks(&self) -> i128 {
+        i128::from(self.blocks.len() as u64) + self.private_blocks
+    }
+
+    fn load(&self) -> RankLoad {
+        RankLoad {
+            active_prefill_tokens: u64::try_from(self.prefill_tokens).unwrap_or(u64::MAX),
+            active_decode_blocks: clamp_blocks(self.raw_decode_blocks()),
+            active_requests: self.requests,
+        }
+    }
+}
+
+/// Rank states in a slab (slots are reused once a rank has no bookings), plus the inverted index
+/// from block hash to the slots holding it.
+#[derive(Debug, Default)]
+struct RankTable {
+    slots: Vec<Option<RankState>>,
+    free_slots: Vec<usize>,
+    slot_of: HashMap<Rank, usize>,
+    holders: HashMap<u64, SmallVec<[usize; 2]>>,
+}
+
+impl RankTable {
+    fn get(&self, rank: Rank) -> Option<&RankState> {
+        let slot = *self.slot_of.get(&rank)?;
+        self.slots.get(slot)?.as_ref()
+    }
+
+    fn get_mut(&mut self, rank: Rank) -> Option<&mut RankState> {
+        let slot = *self.slot_of.get(&rank)?;
+        self.state_mut(slot)
+    }
+
+    fn state_mut(&mut self, slot: usize) -> Option<&mut RankState> {
+        self.slots.get_mut(slot)?.as_mut()
+    }
+
+    fn slot_or_insert(&mut self, rank: Rank) -> usize {
+        if let Some(&slot) = self.slot_of.get(&rank) {
+            return slot;
+        }
+        let state = RankState {
+            rank,
+            blocks: HashMap::new(),
+            private_blocks: 0,
+            prefill_tokens: 0,
+            requests: 0,
+        };
+        let slot = match self.free_slots.pop() {
+            Some(slot) if slot < self.slots.len() => {
+                self.slots[slot] = Some(state);
+                slot
+            }
+            _ => {
+                self.slots.push(Some(state));
+                self.slots.len() - 1
+            }
+        };
+        self.slot_of.insert(rank, slot);
+        slot
+    }
+
+    /// Adds one reference to `hash` on the rank; true if the rank already held it.
+    fn add_block(&mut self, slot: usize, hash: u64) -> bool {
+        let Some(Some(state)) = self.slots.get_mut(slot) else {
+            return false;
+        };
+        match state.blocks.entry(hash) {
+            Entry::Occupied(mut held) => {
+                held.get_mut().refcount += 1;
+                true
+            }
+            Entry::Vacant(vacant) => {
+                let holders = self.holders.entry(hash).or_default();
+                vacant.insert(HeldBlock {
+                    refcount: 1,
+                    holder_index: holders.len(),
+                });
+                holders.push(slot);
+                false
+            }
+        }
+    }
+
+    /// Drops one reference to `hash` on the rank; the last one unlinks it from `holders`.
+    fn remove_block(&mut self, slot: usize, hash: u64) {
+        let Some(Some(state)) = self.slots.get_mut(slot) else {
+            return;
+        };
+        let Some(held) = state.blocks.get_mut(&hash) else {
+            return;
+        };
+        held.refcount = held.refcount.saturating_sub(1);
+        if held.refcount > 0 {
+            return;
+        }
+        let index = held.holder_index;
+        state.blocks.remove(&hash);
+        let Some(holders) = self.holders.get_mut(&hash) else {
+            return;
+        };
+        if index < holders.len() {
+            holders.swap_remove(index);
+        }
+        if let Some(&moved) = holders.get(index)
+            && let Some(Some(other)) = self.slots.get_mut(moved)
+            && let Some(moved_block) = other.blocks.get_mut(&hash)
+        {
+            moved_block.holder_index = index;
+        }
+        if holders.is_empty() {
+            self.holders.remove(&hash);
+        }
+    }
+
+    /// Drops the rank's state once its last booking is gone, so departed ranks cost nothing.
+    fn release_if_unused(&mut self, slot: usize) {
+        let Some(Some(state)) = self.slots.get(slot) else {
+            return;
+        };
+        if state.requests > 0 {
+            return;
+        }
+        debug_assert!(state.blocks.is_empty() && state.private_blocks == 0);
+        // Unreachable while the invariants hold; unlink any leftover block so `holders` never
+        // names a reused slot.
+        let leftover: Vec<u64> = state.blocks.keys().copied().collect();
+        for hash in leftover {
+            if let Some(Some(state)) = self.slots.get_mut(slot)
+                && let Some(held) = state.blocks.get_mut(&hash)
+            {
+                held.refcount = 1;
+            }
+            self.remove_block(slot, hash);
+        }
+        if let Some(state) = self.slots.get_mut(slot).and_then(Option::take) {
+            self.slot_of.remove(&state.rank);
+            self.free_slots.push(slot);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use proptest::prelude::*;
+
+    const BLOCK_SIZE: u32 = 4;
+
+    fn rank(worker_id: u64, dp_rank: u32) -> Rank {
+        Rank::new(worker_id, dp_rank)
+    }
+
+    fn booking(id: &str, rank: Rank, hashes: &[u64], isl_tokens: u64) -> Booking {
+        Booking {
+            reservation_id: id.to_owned(),
+            rank,
+            block_size: BLOCK_SIZE,
+            sequence_hashes: Arc::from(hashes),
+            isl_tokens,
+            effective_prefill_tokens: isl_tokens,
+            expected_output_tokens: None,
+            track_prefill_tokens: true,
+        }
+    }
+
+    /// A prompt of `blocks` full blocks (`isl` = `blocks × BLOCK_SIZE`) with hashes `first..`.
+    fn full_prompt(id: &str, rank: Rank, first: u64, blocks: u64) -> Booking {
+        let hashes: Vec<u64> = (first..first + blocks).collect();
+        booking(id, rank, &hashes, blocks * u64::from(BLOCK_SIZE))
+    }
+
+    fn decode_blocks(tracker: &LoadTracker, rank: Rank) -> u64 {
+        tracker.rank_load(rank).active_decode_blocks
+    }
+
+    fn snapshot(tracker: &LoadTracker) -> Vec<(Rank, RankLoad)> {
+        let mut ranks: Vec<_> = tracker.ranks().collect();
+        ranks.sort_by_key(|(rank, _)| *rank);
+        ranks
+    }
+
+    #[test]
+    fn errors_render_spec_messages_verbatim() {
+        let duplicate = LoadError::Duplicate {
+            reservation_id: "r1".into(),
+            worker_id: 7,
+        };
+        assert_eq!(
+            duplicate.to_string(),
+            "Request r1 already exists (assigned to worker 7)"
+        );
+        let not_found = LoadError::NotFound {
+            reservation_id: "r1".into(),
+        };
+        assert_eq!(not_found.to_string(), "reservation r1 not found");
+        let bad = LoadError::BadDecayFraction {
+            decay_fraction: 2.0,
+        };
+        assert_eq!(
+            bad.to_string(),
+            "decay_fraction must be between 0.0 and 1.0"
+        );
+    }
+
+    #[test]
+    fn shared_prefix_counts_once_per_rank_and_not_across_ranks() {
+        let now = Instant::now();
+        let (a, b) = (rank(1, 0), rank(2, 0));
+        let mut tracker = LoadTracker::new();
+        // Two prompts sharing blocks 0..6, then 4 blocks each of their own.
+        let first: Vec<u64> = (0..10).collect();
+        let second: Vec<u64> = (0..6).chain(100..104).collect();
+        let outcome = tracker.book(booking("r1", a, &first, 40), now).unwrap();
+        assert_eq!(outcome.shared_blocks, 0);
+        let outcome = tracker.book(booking("r2", a, &second, 40), now).unwrap();
+        assert_eq!((outcome.prompt_blocks, outcome.shared_blocks), (10, 6));
+        assert_eq!(decode_blocks(&tracker, a), 14);
+        assert_eq!(tracker.rank_load(a).active_requests, 2);
+
+        // The same prompt on another rank counts in full there.
+        tracker.book(booking("r3", b, &second, 40), now).unwrap();
+        assert_eq!(decode_blocks(&tracker, b), 10);
+        assert_eq!(decode_blocks(&tracker, a), 14);
+
+        // Freeing one sharer keeps the shared blocks counted for the other.
+        tracker.free("r1").unwrap();
+        assert_eq!(decode_blocks(&tracker, a), 10);
+        tracker.free("r2").unwrap();
+        assert_eq!(tracker.rank_load(a), RankLoad::default());
+        assert_eq!(tracker.bookings_of(a), 0);
+        assert_eq!(decode_blocks(&tracker, b), 10);
+    }
+
+    #[test]
+    fn trailing_partial_block_counts_as_its_own_block() {
+        let now = Instant::now();
+        let a = rank(1, 0);
+        let mut tracker = LoadTracker::new();
+        // 10 tokens at block size 4: two full blocks and one partial.
+        let outcome = tracker.book(booking("r1", a, &[1, 2], 10), now).unwrap();
+        assert_eq!(outcome.prompt_blocks, 3);
+        assert_eq!(decode_blocks(&tracker, a), 3);
+        // The same prompt again shares the full blocks but not the partial one.
+        tracker.book(booking("r2", a, &[1, 2], 10), now).unwrap();
+        assert_eq!(decode_blocks(&tracker, a), 4);
+        // Prompt shorter than one block: only the partial block.
+        tracker.book(booking("r3", a, &[], 3), now).unwrap();
+        assert_eq!(decode_blocks(&tracker, a), 5);
+        assert_eq!(
+            tracker.potential_decode_blocks(a, &[1, 2], 10, BLOCK_SIZE),
+            6
+        );
+        assert_eq!(
+            tracker.potential_decode_blocks(a, &[1, 2], 8, BLOCK_SIZE),
+            5
+        );
+    }
+
+    #[test]
+    fn prefill_tokens_tracked_only_when_requested() {
+        let now = Instant::now();
+        let a = rank(1, 0);
+        let mut tracker = LoadTracker::new();
+        let mut tracked = booking("tracked", a, &[1, 2], 8);
+        tracked.effective_prefill_tokens = 5;
+        let mut untracked = booking("untracked", a, &[3, 4], 8);
+        untracked.track_prefill_tokens = false;
+        assert_eq!(tracker.book(tracked, now).unwrap().prefill_tokens, 5);
+        assert_eq!(tracker.book(untracked, now).unwrap().prefill_tokens, 0);
+        assert_eq!(tracker.rank_load(a).active_prefill_tokens, 5);
+        tracker.prefill_complete("untracked", now).unwrap();
+        assert_eq!(tracker.rank_load(a).active_prefill_tokens, 5);
+        tracker.free("tracked").unwrap();
+        assert_eq!(tracker.rank_load(a).active_prefill_tokens, 0);
+    }
+
+    #[test]
+    fn prefill_complete_is_idempotent() {
+        let now = Instant::now();
+        let a = rank(1, 0);
+        let mut tracker = LoadTracker::new();
+        tracker.book(booking("r1", a, &[1], 4), now).unwrap();
+        tracker.book(booking("r2", a, &[2], 6), now).unwrap();
+        assert_eq!(tracker.rank_load(a).active_prefill_tokens, 10);
+        for _ in 0..3 {
+            tracker.prefill_complete("r1", now).unwrap();
+            assert_eq!(tracker.rank_load(a).active_prefill_tokens, 6);
+        }
+        assert!(tracker.booking("r1").unwrap().prefill_complete);
+        // Freeing after prefill completed releases nothing twice.
+        tracker.free("r1").unwrap();
+        assert_eq!(tracker.rank_load(a).active_prefill_tokens, 6);
+        assert_eq!(
+            tracker.prefill_complete("r1", now),
+            Err(LoadError::NotFound {
+                reservation_id: "r1".into()
+            })
+        );
+    }
+
+    #[test]
+    fn decay_example_contributes_11_12_7_8_15() {
+        let now = Instant::now();
+        let a = rank(1, 0);
+        let mut tracker = LoadTracker::new();
+        tracker.book(full_prompt("r1", a, 0, 10), now).unwrap();
+        assert_eq!(decode_blocks(&tracker, a), 10);
+        let calls = [None, None, Some(0.5), None, Some(1.0)];
+        let mut seen = Vec::new();
+        for decay_fraction in calls {
+            tracker.output_block("r1", decay_fraction, now).unwrap();
+            seen.push(decode_blocks(&tracker, a));
+            assert_eq!(
+                tracker.booking("r1").unwrap().decode_blocks,
+                decode_blocks(&tracker, a)
+            );
+        }
+        assert_eq!(seen, [11, 12, 7, 8, 15]);
+        assert_eq!(tracker.booking("r1").unwrap().output_blocks, 5);
+        tracker.free("r1").unwrap();
+        assert_eq!(tracker.rank_load(a), RankLoad::default());
+    }
+
+    #[test]
+    fn decay_below_a_shared_prefix_clamps_rank_at_zero() {
+        let now = Instant::now();
+        let a = rank(1, 0);
+        let mut tracker = LoadTracker::new();
+        tracker.book(full_prompt("r1", a, 0, 10), now).unwrap();
+        tracker.book(full_prompt("r2", a, 0, 10), now).unwrap();
+        tracker.output_block("r1", Some(0.0), now).unwrap();
+        assert_eq!(decode_blocks(&tracker, a), 0);
+        tracker.output_block("r2", Some(0.0), now).unwrap();
+        assert_eq!(decode_blocks(&tracker, a), 0);
+        assert_eq!(tracker.potential_decode_blocks(a, &[50], 4, BLOCK_SIZE), 0);
+        tracker.free("r1").unwrap();
+        assert_eq!(decode_blocks(&tracker, a), 0);
+        tracker.free("r2").unwrap();
+        assert_eq!(tracker.rank_load(a), RankLoad::default());
+    }
+
+    #[test]
+    fn free_twice_is_not_found() {
+        let now = Instant::now();
+        let a = rank(1, 0);
+        let mut tracker = LoadTracker::new();
+        tracker.book(full_prompt("r1", a, 0, 3), now).unwrap();
+        let freed = tracker.free("r1").unwrap();
+        assert_eq!(&*freed.reservation_id, "r1");
+        assert_eq!(freed.booking.rank, a);
+        assert_eq!(
+            tracker.free("r1"),
+            Err(LoadError::NotFound {
+                reservation_id: "r1".into()
+            })
+        );
+        assert!(tracker.is_empty());
+        assert_eq!(tracker.rank_load(a), RankLoad::default());
+    }
+
+    #[test]
+    fn lifecycle_calls_on_unknown_id_are_not_found() {
+        let now = Instant::now();
+        let mut tracker = LoadTracker::new();
+        let not_found = Err(LoadError::NotFound {
+            reservation_id: "nope".into(),
+        });
+        assert_eq!(tracker.prefill_complete("nope", now), not_found);
+        assert_eq!(tracker.output_block("nope", None, now), not_found);
+        assert_eq!(tracker.output_block("nope", Some(0.5), now), not_found);
+        assert!(tracker.free("nope").is_err());
+    }
+
+    #[test]
+    fn duplicate_book_names_the_worker_and_leaves_state_unchanged() {
+        let now = Instant::now();
+        let (a, b) = (rank(7, 1), rank(9, 0));
+        let mut tracker = LoadTracker::new();
+        tracker.book(full_prompt("r1", a, 0, 4), now).unwrap();
+        let before = snapshot(&tracker);
+        let view_before = tracker.booking("r1").cloned();
+        let later = now + Duration::from_secs(5);
+        let error = tracker
+            .book(full_prompt("r1", b, 100, 8), later)
+            .unwrap_err();
+        assert_eq!(
+            error,
+            LoadError::Duplicate {
+                reservation_id: "r1".into(),
+                worker_id: 7
+            }
+        );
+        assert_eq!(
+            error.to_string(),
+            "Request r1 already exists (assigned to worker 7)"
+        );
+        assert_eq!(snapshot(&tracker), before);
+        assert_eq!(tracker.booking("r1").cloned(), view_before);
+        assert_eq!(tracker.rank_load(b), RankLoad::default());
+        // Not a lifecycle call: the original booking still expires on its own schedule.
+        assert_eq!(
+            tracker
+                .expire(now + Duration::from_secs(10), Duration::from_secs(10))
+                .len(),
+            1
+        );
+    }
+
+    #[test]
+    fn zero_block_size_is_rejected() {
+        let mut tracker = LoadTracker::new();
+        let mut zero = full_prompt("r1", rank(1, 0), 0, 2);
+        zero.block_size = 0;
+        assert_eq!(
+            tracker.book(zero, Instant::now()),
+            Err(LoadError::ZeroBlockSize)
+        );
+        assert!(tracker.is_empty());
+    }
+
+    #[test]
+    fn expire_frees_only_idle_bookings() {
+        let start = Instant::now();
+        let secs = |s: u64| start + Duration::from_secs(s);
+        let max_idle = Duration::from_secs(300);
+        let a = rank(1, 0);
+        let mut tracker = LoadTracker::new();
+        tracker.book(full_prompt("old", a, 0, 2), secs(0)).unwrap();
+        tracker
+            .book(full_prompt("touched", a, 10, 2), secs(0))
+            .unwrap();
+        tracker
+            .book(full_prompt("young", a, 20, 2), secs(100))
+            .unwrap();
+        // Each lifecycle call restarts the idle clock.
+        tracker.output_block("touched", None, secs(250)).unwrap();
+        tracker.prefill_complete("touched", secs(350)).unwrap();
+
+        assert!(tracker.expire(secs(299), max_idle).is_empty());
+        let freed = tracker.expire(secs(300), max_idle);
+        let ids: Vec<&str> = freed.iter().map(|f| &*f.reservation_id).collect();
+        assert_eq!(ids, ["old"]);
+        assert_eq!(tracker.len(), 2);
+        assert_eq!(decode_blocks(&tracker, a), 5);
+
+        let freed = tracker.expire(secs(400), max_idle);
+        let ids: Vec<&str> = freed.iter().map(|f| &*f.reservation_id).collect();
+        assert_eq!(ids, ["young"]);
+        // A `now` before the last touch counts as not idle at all.
+        assert!(tracker.expire(secs(0), max_idle).is_empty());
+        let freed = tracker.expire(secs(650), max_idle);
+        assert_eq!(freed.len(), 1);
+        assert!(tracker.is_empty());
+        assert_eq!(tracker.rank_load(a), RankLoad::default());
+    }
+
+    #[test]
+    fn free_worker_releases_ids_for_rebooking() {
+        let now = Instant::now();
+        let (w1r0, w1r1, w2r0) = (rank(1, 0), rank(1, 1), rank(2, 0));
+        let mut tracker = LoadTracker::new();
+        tracker.book(full_prompt("a", w1r0, 0, 4), now).unwrap();
+        tracker.book(full_prompt("b", w1r1, 0, 4), now).unwrap();
+        tracker.book(full_prompt("c", w2r0, 0, 4), now).unwrap();
+        let mut freed: Vec<String> = tracker
+            .free_worker(1)
+            .into_iter()
+            .map(|f| f.reservation_id.to_string())
+            .collect();
+        freed.sort();
+        assert_eq!(freed, ["a", "b"]);
+        assert_eq!(tracker.rank_load(w1r0), RankLoad::default());
+        assert_eq!(tracker.rank_load(w1r1), RankLoad::default());
+        assert_eq!(decode_blocks(&tracker, w2r0), 4);
+        assert!(tracker.free("a").is_err());
+        // The released ids can be booked again, on any rank.
+        tracker.book(full_prompt("a", w2r0, 0, 4), now).unwrap();
+        tracker.book(full_prompt("b", w1r0, 50, 2), now).unwrap();
+        assert_eq!(decode_blocks(&tracker, w2r0), 4);
+        assert_eq!(tracker.bookings_of(w2r0), 2);
+        assert_eq!(decode_blocks(&tracker, w1r0), 2);
+    }
+
+    #[test]
+    fn free_rank_drops_only_that_rank() {
+        let now = Instant::now();
+        let (w1r0, w1r1) = (rank(1, 0), rank(1, 1));
+        let mut tracker = LoadTracker::new();
+        tracker.book(full_prompt("a", w1r0, 0, 4), now).unwrap();
+        tracker.book(full_prompt("b", w1r1, 0, 4), now).unwrap();
+        let freed = tracker.free_rank(w1r0);
+        assert_eq!(freed.len(), 1);
+        assert_eq!(&*freed[0].reservation_id, "a");
+        assert_eq!(tracker.rank_load(w1r0), RankLoad::default());
+        assert_eq!(tracker.bookings_of(w1r1), 1);
+        assert!(tracker.free_rank(w1r0).is_empty());
+        assert_eq!(snapshot(&tracker).len(), 1);
+    }
+
+    #[test]
+    fn bad_decay_fraction_rejected_without_state_change() {
+        let start = Instant::now();
+        let a = rank(1, 0);
+        let mut tracker = LoadTracker::new();
+        tracker.book(full_prompt("r1", a, 0, 10), start).unwrap();
+        tracker.output_block("r1", None, start).unwrap();
+        let before = snapshot(&tracker);
+        let view_before = tracker.booking("r1").cloned();
+        let later = start + Duration::from_secs(60);
+        for bad in [-0.1, 1.000_001, f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+            let error = tracker.output_block("r1", Some(bad), later).unwrap_err();
+            assert!(matches!(error, LoadError::BadDecayFraction { .. }));
+            assert_eq!(
+                error.to_string(),
+                "decay_fraction must be between 0.0 and 1.0"
+            );
+        }
+        // Validated before the lookup, too.
+        assert!(matches!(
+            tracker.output_block("missing", Some(2.0), later),
+            Err(LoadError::BadDecayFraction { .. })
+        ));
+        assert_eq!(snapshot(&tracker), before);
+        assert_eq!(tracker.booking("r1").cloned(), view_before);
+        // The rejected calls did not touch the booking either.
+        assert_eq!(
+            tracker
+                .expire(start + Duration::from_secs(60), Duration::from_secs(60))
+                .len(),
+            1
+        );
+    }
+
+    #[test]
+    fn potential_equals_load_after_booking() {
+        let now = Instant::now();
+        let a = rank(1, 0);
+        let mut tracker = LoadTracker::new();
+        tracker.book(full_prompt("r1", a, 0, 8), now).unwrap();
+        tracker.output_block("r1", None, now).unwrap();
+        // Shares 5 blocks, brings 3 new ones, a partial block, and a repeated hash.
+        let prompt = [0, 1, 2, 3, 4, 40, 41, 41, 42];
+        let isl = 9 * u64::from(BLOCK_SIZE) + 1;
+        let predicted = tracker.potential_decode_blocks(a, &prompt, isl, BLOCK_SIZE);
+        assert_eq!(predicted, 9 + 3 + 1);
+        assert_eq!(
+            tracker.potential_decode(&prompt, isl, BLOCK_SIZE).blocks(a),
+            predicted
+        );
+        assert_eq!(
+            tracker
+                .potential_decode(&prompt, isl, BLOCK_SIZE)
+                .blocks(rank(5, 0)),
+            8 + 1,
+            "an empty rank counts the 8 distinct full blocks and the partial one"
+        );
+        tracker.book(booking("r2", a, &prompt, isl), now).unwrap();
+        assert_eq!(decode_blocks(&tracker, a), predicted);
+    }
+
+    #[test]
+    fn potential_decode_matches_naive_on_many_ranks() {
+        let now = Instant::now();
+        let mut tracker = LoadTracker::new();
+        // 40 ranks; rank i holds a shared 16-block system prefix plus (i % 5) × 4 blocks of a
+        // prompt family, and some ranks hold unrelated prompts.
+        let system: Vec<u64> = (0..16).collect();
+        for i in 0..40u64 {
+            let r = rank(i / 4, (i % 4) as u32);
+            let tail = (i % 5) * 4;
+            let hashes: Vec<u64> = system.iter().copied().chain(1000..1000 + tail).collect();
+            let isl = hashes.len() as u64 * u64::from(BLOCK_SIZE) + i % 3;
+            tracker
+                .book(booking(&format!("p{i}"), r, &hashes, isl), now)
+                .unwrap();
+            if i % 3 == 0 {
+                tracker
+                    .book(full_prompt(&format!("u{i}"), r, 5000 + i * 100, 7), now)
+                    .unwrap();
+            }
+        }
+        let probe: Vec<u64> = system
+            .iter()
+            .copied()
+            .chain(1000..1010)
+            .chain(9000..9005)
+            .collect();
+        let isl = probe.len() as u64 * u64::from(BLOCK_SIZE) + 2;
+        let batch = tracker.potential_decode(&probe, isl, BLOCK_SIZE);
+        for i in 0..44u64 {
+            let r = rank(i / 4, (i % 4) as u32);
+            // Naive: rebuild the rank's block set from its bookings.
+            let mut held: HashSet<u64> = HashSet::new();
+            let mut private: i128 = 0;
+            for id in [format!("p{i}"), format!("u{i}")] {
+                if let Some(view) = tracker.booking(&id) {
+                    held.extend(view.sequence_hashes.iter().copied());
+                    private += i128::from(view.prompt_blocks - view.sequence_hashes.len() as u64);
+                }
+            }
+            held.extend(probe.iter().copied());
+            let naive = held.len() as u64 + private as u64 + 1;
+            assert_eq!(
+                tracker.potential_decode_blocks(r, &probe, isl, BLOCK_SIZE),
+                naive
+            );
+            assert_eq!(batch.blocks(r), naive);
+        }
+    }
+
+    // ---- property test against a naive model ------------------------------------------------
+
+    /// A live booking as the model keeps it: no indexes, everything recomputed on demand.
+    #[derive(Debug, Clone)]
+    struct ModelBooking {
+        id: String,
+        rank: Rank,
+        hashes: Vec<u64>,
+        prompt_blocks: u64,
+        prefill_tokens: u64,
+        outputs: u64,
+        /// Its decode blocks were it alone on the rank.
+        contribution: i128,
+        last_touched: Instant,
+    }
+
+    #[derive(Debug, Default)]
+    struct Model {
+        bookings: Vec<ModelBooking>,
+    }
+
+    impl Model {
+        fn find(&mut self, id: &str) -> Option<&mut ModelBooking> {
+            self.bookings.iter_mut().find(|b| b.id == id)
+        }
+
+        fn rank_load(&self, rank: Rank) -> RankLoad {
+            let mine: Vec<&ModelBooking> =
+                self.bookings.iter().filter(|b| b.rank == rank).collect();
+            let held: HashSet<u64> = mine.iter().flat_map(|b| b.hashes.iter().copied()).collect();
+            let private: i128 = mine
+                .iter()
+                .map(|b| b.contribution - b.hashes.len() as i128)
+                .sum();
+            RankLoad {
+                active_prefill_tokens: mine.iter().map(|b| b.prefill_tokens).sum(),
+                active_decode_blocks: (held.len() as i128 + private).max(0) as u64,
+                active_requests: mine.len() as u64,
+            }
+        }
+
+        fn potential(&self, rank: Rank, probe: &[u64], isl: u64, block_size: u32) -> u64 {
+            let mine: Vec<&ModelBooking> =
+                self.bookings.iter().filter(|b| b.rank == rank).collect();
+            let mut held: HashSet<u64> =
+                mine.iter().flat_map(|b| b.hashes.iter().copied()).collect();
+            held.extend(probe.iter().copied());
+            let private: i128 = mine
+                .iter()
+                .map(|b| b.contribution - b.hashes.len() as i128)
+                .sum();
+            let partial = isl
+                .div_ceil(u64::from(block_size))
+                .saturating_sub(probe.len() as u64);
+            (held.len() as i128 + private + i128::from(partial)).max(0) as u64
+        }
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Book {
+            id: u8,
+            rank: Rank,
+            hashes: Vec<u64>,
+            isl_tokens: u64,
+            block_size: u32,
+            prefill: u64,
+            track: bool,
+            at: u64,
+        },
+        PrefillComplete {
+            id: u8,
+            at: u64,
+        },
+        OutputBlock {
+            id: u8,
+            decay_fraction: Option<f64>,
+            at: u64,
+        },
+        Free {
+            id: u8,
+        },
+        Expire {
+            at: u64,
+            max_idle: u64,
+        },
+        FreeRank {
+            rank: Rank,
+        },
+        FreeWorker {
+            worker_id: u64,
+        },
+    }
+
+    fn rank_strategy() -> impl Strategy<Value = Rank> {
+        (0u64..3, 0u32..2).prop_map(|(w, d)| rank(w, d))
+    }
+
+    fn op_strategy() -> impl Strategy<Value = Op> {
+        let book = (
+            0u8..8,
+            rank_strategy(),
+            prop::collection::vec(0u64..16, 0..8),
+            prop_oneof![Just(1u32), Just(4u32)],
+            0u64..8,
+            0u64..40,
+            any::<bool>(),
+            0u64..60,
+        )
+            .prop_map(
+                |(id, rank, hashes, block_size, extra, prefill, track, at)| {
+                    // Mostly consistent (full blocks + a partial), sometimes fewer tokens than
+                    // hashes or more tokens than hashes cover.
+                    let isl_tokens = (hashes.len() as u64 * u64::from(block_size) + extra)
+                        .saturating_sub(if extra == 7 { 9 } else { 0 });
+                    Op::Book {
+                        id,
+                        rank,
+                        hashes,
+                        isl_tokens,
+                        block_size,
+                        prefill,
+                        track,
+                        at,
+                    }
+                },
+            );
+        let decay = prop_oneof![
+            4 => Just(None),
+            1 => Just(Some(0.5)),
+            1 => Just(Some(0.0)),
+            1 => Just(Some(1.0)),
+            2 => (0.0f64..=1.0).prop_map(Some),
+            1 => prop_oneof![Just(-0.5), Just(1.5), Just(f64::NAN)].prop_map(Some),
+        ];
+        prop_oneof![
+            4 => book,
+            2 => (0u8..8, 0u64..60).prop_map(|(id, at)| Op::PrefillComplete { id, at }),
+            4 => (0u8..8, decay, 0u64..60).prop_map(|(id, decay_fraction, at)| Op::OutputBlock {
+                id,
+                decay_fraction,
+                at
+            }),
+            2 => (0u8..8).prop_map(|id| Op::Free { id }),
+            1 => (0u64..80, 0u64..40).prop_map(|(at, max_idle)| Op::Expire { at, max_idle }),
+            1 => rank_strategy().prop_map(|rank| Op::FreeRank { rank }),
+            1 => (0u64..3).prop_map(|worker_id| Op::FreeWorker { worker_id }),
+        ]
+    }
+
+    fn sorted_ids(freed: Vec<FreedBooking>) -> Vec<String> {
+        let mut ids: Vec<String> = freed.iter().map(|f| f.reservation_id.to_string()).collect();
+        ids.sort();
+        ids
+    }
+
+    fn apply(tracker: &mut LoadTracker, model: &mut Model, op: Op, start: Instant) {
+        let at = |secs: u64| start + Duration::from_secs(secs);
+        match op {
+            Op::Book {
+                id,
+                rank,
+                hashes,
+                isl_tokens,
+                block_size,
+                prefill,
+                track,
+                at: secs,
+            } => {
+                let id = format!("r{id}");
+                let result = tracker.book(
+                    Booking {
+                        reservation_id: id.clone(),
+                        rank,
+                        block_size,
+                        sequence_hashes: Arc::from(hashes.as_slice()),
+                        isl_tokens,
+                        effective_prefill_tokens: prefill,
+                        expected_output_tokens: Some(3),
+                        track_prefill_tokens: track,
+                    },
+                    at(secs),
+                );
+                if let Some(existing) = model.find(&id) {
+                    assert_eq!(
+                        result,
+                        Err(LoadError::Duplicate {
+                            reservation_id: id,
+                            worker_id: existing.rank.worker_id
+                        })
+                    );
+                    return;
+                }
+                let prompt_blocks = isl_tokens
+                    .div_ceil(u64::from(block_size))
+                    .max(hashes.len() as u64);
+                assert_eq!(result.map(|o| o.prompt_blocks), Ok(prompt_blocks));
+                model.bookings.push(ModelBooking {
+                    id,
+                    rank,
+                    hashes,
+                    prompt_blocks,
+                    prefill_tokens: if track { prefill } else { 0 },
+                    outputs: 0,
+                    contribution: i128::from(prompt_blocks),
+                    last_touched: at(secs),
+                });
+            }
+            Op::PrefillComplete { id, at: secs } => {
+                let id = format!("r{id}");
+                let result = tracker.prefill_complete(&id, at(secs));
+                match model.find(&id) {
+                    Some(b) => {
+                        assert_eq!(result, Ok(()));
+                        b.prefill_tokens = 0;
+                        b.last_touched = at(secs);
+                    }
+                    None => assert_eq!(result, Err(not_found(&id))),
+                }
+            }
+            Op::OutputBlock {
+                id,
+                decay_fraction,
+                at: secs,
+            } => {
+                let id = format!("r{id}");
+                let result = tracker.output_block(&id, decay_fraction, at(secs));
+                if let Some(f) = decay_fraction
+                    && !(0.0..=1.0).contains(&f)
+                {
+                    assert!(matches!(result, Err(LoadError::BadDecayFraction { .. })));
+                    return;
+                }
+                match model.find(&id) {
+                    Some(b) => {
+                        assert_eq!(result, Ok(()));
+                        b.outputs += 1;
+                        b.contribution = match decay_fraction {
+                            None => b.contribution + 1,
+                            Some(f) => (f * (b.prompt_blocks + b.outputs) as f64).round() as i128,
+                        };
+                        b.last_touched = at(secs);
+                    }
+                    None => assert_eq!(result, Err(not_found(&id))),
+                }
+            }
+            Op::Free { id } => {
+                let id = format!("r{id}");
+                let result = tracker.free(&id).map(|f| f.reservation_id.to_string());
+                match model.bookings.iter().position(|b| b.id == id) {
+                    Some(index) => {
+                        model.bookings.remove(index);
+                        assert_eq!(result, Ok(id));
+                    }
+                    None => assert_eq!(result, Err(not_found(&id))),
+                }
+            }
+            Op::Expire { at: secs, max_idle } => {
+                let now = at(secs);
+                let max_idle = Duration::from_secs(max_idle);
+                let freed = sorted_ids(tracker.expire(now, max_idle));
+                let (expired, live): (Vec<_>, Vec<_>) = model
+                    .bookings
+                    .drain(..)
+                    .partition(|b| now.saturating_duration_since(b.last_touched) >= max_idle);
+                model.bookings = live;
+                let mut expected: Vec<String> = expired.into_iter().map(|b| b.id).collect();
+                expected.sort();
+                assert_eq!(freed, expected);
+            }
+            Op::FreeRank { rank } => {
+                let freed = sorted_ids(tracker.free_rank(rank));
+                let mut expected: Vec<String> = model
+                    .bookings
+                    .iter()
+                    .filter(|b| b.rank == rank)
+                    .map(|b| b.id.clone())
+                    .collect();
+                expected.sort();
+                model.bookings.retain(|b| b.rank != rank);
+                assert_eq!(freed, expected);
+            }
+            Op::FreeWorker { worker_id } => {
+                let freed = sorted_ids(tracker.free_worker(worker_id));
+                let mut expected: Vec<String> = model
+                    .bookings
+                    .iter()
+                    .filter(|b| b.rank.worker_id == worker_id)
+                    .map(|b| b.id.clone())
+                    .collect();
+                expected.sort();
+                model.bookings.retain(|b| b.rank.worker_id != worker_id);
+                assert_eq!(freed, expected);
+            }
+        }
+    }
+
+    /// The module's structural invariants, checked from the raw fields.
+    fn assert_invariants(tracker: &LoadTracker) {
+        let table = &tracker.ranks;
+        let live_slots = table.slots.iter().flatten().count();
+        assert_eq!(table.slot_of.len(), live_slots);
+        for (&rank, &slot) in &table.slot_of {
+            let state = table.slots[slot]
+                .as_ref()
+                .expect("slot_of names a live slot");
+            assert_eq!(state.rank, rank);
+            assert!(state.requests > 0, "a rank without bookings keeps no state");
+            let mut refcounts: HashMap<u64, u64> = HashMap::new();
+            let mut private = 0i128;
+            let mut prefill = 0u128;
+            let mut requests = 0u64;
+            for booking in tracker.bookings.values().filter(|b| b.view.rank == rank) {
+                for &hash in booking.view.sequence_hashes.iter() {
+                    *refcounts.entry(hash).or_default() += 1;
+                }
+                private += booking.private_blocks;
+                prefill += u128::from(booking.view.active_prefill_tokens);
+                requests += 1;
+            }
+            assert_eq!(
+                (private, prefill, requests),
+                (state.private_blocks, state.prefill_tokens, state.requests)
+            );
+            assert_eq!(state.blocks.len(), refcounts.len());
+            for (hash, held) in &state.blocks {
+                assert_eq!(Some(&held.refcount), refcounts.get(hash));
+                assert_eq!(table.holders[hash].get(held.holder_index), Some(&slot));
+            }
+        }
+        for (hash, holders) in &table.holders {
+            assert!(!holders.is_empty());
+            for &slot in holders {
+                let state = table.slots[slot].as_ref().expect("holders name live slots");
+                assert!(state.blocks.contains_key(hash));
+            }
+        }
+        assert_eq!(tracker.idle_order.len(), tracker.bookings.len());
+        for (id, booking) in &tracker.bookings {
+            let key = (booking.view.last_touched, booking.serial);
+            assert_eq!(tracker.idle_order.get(&key), Some(id));
+        }
+    }
+
+    fn assert_agrees(tracker: &LoadTracker, model: &Model, probes: &[(Vec<u64>, u64)]) {
+        assert_invariants(tracker);
+        let all_ranks: Vec<Rank> = (0..3)
+            .flat_map(|w| (0..2).map(move |d| rank(w, d)))
+            .collect();
+        let batches: Vec<_> = probes
+            .iter()
+            .map(|(hashes, isl)| tracker.potential_decode(hashes, *isl, BLOCK_SIZE))
+            .collect();
+        for &r in &all_ranks {
+            let expected = model.rank_load(r);
+            assert_eq!(tracker.rank_load(r), expected, "rank {r:?}");
+            assert_eq!(tracker.bookings_of(r), expected.active_requests);
+            for ((hashes, isl), batch) in probes.iter().zip(&batches) {
+                let naive = model.potential(r, hashes, *isl, BLOCK_SIZE);
+                assert_eq!(
+                    tracker.potential_decode_blocks(r, hashes, *isl, BLOCK_SIZE),
+                    naive,
+                    "rank {r:?} probe {hashes:?}"
+                );
+                assert_eq!(batch.blocks(r), naive, "batch rank {r:?} probe {hashes:?}");
+            }
+        }
+        let mut listed: Vec<(Rank, RankLoad)> = tracker.ranks().collect();
+        listed.sort_by_key(|(r, _)| *r);
+        let expected: Vec<(Rank, RankLoad)> = all_ranks
+            .iter()
+            .filter(|r| model.bookings.iter().any(|b| b.rank == **r))
+            .map(|r| (*r, model.rank_load(*r)))
+            .collect();
+        assert_eq!(listed, expected);
+        assert_eq!(tracker.len(), model.bookings.len());
+        for b in &model.bookings {
+            let view = tracker.booking(&b.id);
+            assert_eq!(
+                view.map(|v| (v.rank, v.last_touched)),
+                Some((b.rank, b.last_touched))
+            );
+            assert_eq!(
+                view.map(|v| v.decode_blocks),
+                Some(b.contribution.max(0) as u64)
+            );
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(1000))]
+
+        #[test]
+        fn tracker_matches_naive_model(
+            ops in prop::collection::vec(op_strategy(), 1..60),
+            probes in prop::collection::vec(
+                (prop::collection::vec(0u64..20, 0..8), 0u64..4),
+                1..4,
+            ),
+        ) {
+            let probes: Vec<(Vec<u64>, u64)> = probes
+                .into_iter()
+                .map(|(hashes, extra)| {
+                    let isl = hashes.len() as u64 * u64::from(BLOCK_SIZE) + extra;
+                    (hashes, isl)
+                })
+                .collect();
+            let start = Instant::now();
+            let mut tracker = LoadTracker::new();
+            let mut model = Model::default();
+            for op in ops {
+                apply(&mut tracker, &mut model, op, start);
+                assert_agrees(&tracker, &model, &probes);
+            }
+        }
+    }
+}
