@@ -1,0 +1,299 @@
+//! Scheduling (SPEC §6): the cost of sending a prompt to each eligible rank, and the pick.
+//!
+//! For each rank (lower is better):
+//! ```text
+//! prefill_blocks = (active_prefill_tokens + isl_tokens) / block_size            (real-valued)
+//! credit         = overlap_score_credit * device_blocks
+//!                + host_cache_hit_weight * (host_blocks - device_blocks)
+//!                + disk_cache_hit_weight * (disk_blocks - host_blocks)
+//! cost           = prefill_load_scale * max(0, prefill_blocks - credit)
+//!                + potential_decode_blocks + decode_active_request_weight * active_requests
+//! ```
+//! Temperature 0 picks the lowest cost, exact ties broken uniformly at random; temperature T > 0
+//! min-max normalises the costs to [0, 1] and samples with p ∝ exp(−cost / T). The random source
+//! is an argument, so tests and the simulator are deterministic.
+
+use crate::event::Rank;
+use rand::Rng;
+
+/// Scheduler weights and thresholds; every one is a service flag.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SchedulerConfig {
+    pub overlap_score_credit: f64,
+    pub prefill_load_scale: f64,
+    pub host_cache_hit_weight: f64,
+    pub disk_cache_hit_weight: f64,
+    pub decode_active_request_weight: f64,
+    pub router_temperature: f64,
+    /// Whether bookings count their effective prefill tokens as load until prefill completes.
+    pub track_prefill_tokens: bool,
+    /// A rank is busy when its active decode blocks reach this fraction of `total_kv_blocks`.
+    pub busy_decode_fraction: Option<f64>,
+    /// A rank is busy when its active prefill tokens reach this many.
+    pub busy_prefill_tokens: Option<u64>,
+    /// A rank is busy when its active prefill tokens reach this fraction of
+    /// `max_num_batched_tokens`.
+    pub busy_prefill_fraction: Option<f64>,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self {
+            overlap_score_credit: 1.0,
+            prefill_load_scale: 1.0,
+            host_cache_hit_weight: 0.75,
+            disk_cache_hit_weight: 0.25,
+            decode_active_request_weight: 0.0,
+            router_temperature: 0.0,
+            track_prefill_tokens: true,
+            busy_decode_fraction: None,
+            busy_prefill_tokens: None,
+            busy_prefill_fraction: None,
+        }
+    }
+}
+
+/// Per-request changes to the scheduler (`router_config_override`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Overrides {
+    pub overlap_score_credit: Option<f64>,
+    pub prefill_load_scale: Option<f64>,
+    pub router_temperature: Option<f64>,
+    pub track_prefill_tokens: Option<bool>,
+}
+
+impl SchedulerConfig {
+    /// This configuration with a request's overrides applied.
+    pub fn with(&self, overrides: &Overrides) -> SchedulerConfig {
+        SchedulerConfig {
+            overlap_score_credit: overrides
+                .overlap_score_credit
+                .unwrap_or(self.overlap_score_credit),
+            prefill_load_scale: overrides
+                .prefill_load_scale
+                .unwrap_or(self.prefill_load_scale),
+            router_temperature: overrides
+                .router_temperature
+                .unwrap_or(self.router_temperature),
+            track_prefill_tokens: overrides
+                .track_prefill_tokens
+                .unwrap_or(self.track_prefill_tokens),
+            ..*self
+        }
+    }
+
+    /// The cache credit, in blocks, of a rank's cumulative tier overlaps.
+    pub fn credit(&self, device_blocks: u32, host_blocks: u32, disk_blocks: u32) -> f64 {
+        let device = f64::from(device_blocks);
+        let host = f64::from(host_blocks.max(device_blocks));
+        let disk = f64::from(disk_blocks.max(host_blocks).max(device_blocks));
+        self.overlap_score_credit * device
+            + self.host_cache_hit_weight * (host - device)
+            + self.disk_cache_hit_weight * (disk - host)
+    }
+
+    /// The cost of one candidate (lower is better).
+    pub fn cost(&self, c: &Candidate, isl_tokens: u64, block_size: u32) -> f64 {
+        let block_size = f64::from(block_size.max(1));
+        let prefill_blocks = (c.active_prefill_tokens as f64 + isl_tokens as f64) / block_size;
+        let credit = self.credit(c.device_blocks, c.host_blocks, c.disk_blocks);
+        let adjusted = (prefill_blocks - credit).max(0.0);
+        self.prefill_load_scale * adjusted
+            + c.potential_decode_blocks as f64
+            + self.decode_active_request_weight * c.active_requests as f64
+    }
+
+    /// Whether a rank is over one of the busy thresholds.
+    pub fn is_busy(&self, c: &Candidate) -> bool {
+        let decode_busy = match (self.busy_decode_fraction, c.total_kv_blocks) {
+            (Some(f), Some(total)) if total > 0 => {
+                c.active_decode_blocks as f64 >= f * total as f64
+            }
+            _ => false,
+        };
+        let prefill_busy_abs = self
+            .busy_prefill_tokens
+            .is_some_and(|limit| c.active_prefill_tokens >= limit);
+        let prefill_busy_frac = match (self.busy_prefill_fraction, c.max_num_batched_tokens) {
+            (Some(f), Some(max)) if max > 0 => c.active_prefill_tokens as f64 >= f * max as f64,
+            _ => false,
+        };
+        decode_busy || prefill_busy_abs || prefill_busy_frac
+    }
+}
+
+/// Tokens the engine will still have to prefill on a rank with this credit (in blocks):
+/// `isl − floor(block_size × credit)`, clamped to `[0, isl]`.
+pub fn effective_prefill_tokens(isl_tokens: u64, block_size: u32, credit: f64) -> u64 {
+    let cached = (f64::from(block_size) * credit).floor();
+    if !cached.is_finite() || cached <= 0.0 {
+        return isl_tokens;
+    }
+    isl_tokens.saturating_sub(cached.min(u64::MAX as f64) as u64)
+}
+
+/// One eligible rank with what the cost function needs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Candidate {
+    pub rank: Rank,
+    pub device_blocks: u32,
+    pub host_blocks: u32,
+    pub disk_blocks: u32,
+    pub active_prefill_tokens: u64,
+    pub active_decode_blocks: u64,
+    pub potential_decode_blocks: u64,
+    pub active_requests: u64,
+    pub total_kv_blocks: Option<u64>,
+    pub max_num_batched_tokens: Option<u64>,
+}
+
+/// Picks an index into `costs`: the argmin with uniform tie-break at temperature 0, else a softmax
+/// sample over min-max normalised costs. `costs` must not be empty.
+pub fn pick(costs: &[f64], temperature: f64, rng: &mut impl Rng) -> usize {
+    if costs.len() <= 1 {
+        return 0;
+    }
+    if temperature > 0.0 && temperature.is_finite() {
+        let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
+        let max = costs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let span = max - min;
+        if span > 0.0 && span.is_finite() {
+            let weights: Vec<f64> = costs
+                .iter()
+                .map(|c| (-((c - min) / span) / temperature).exp())
+                .collect();
+            let total: f64 = weights.iter().sum();
+            let mut target = rng.random::<f64>() * total;
+            for (i, w) in weights.iter().enumerate() {
+                if target < *w {
+                    return i;
+                }
+                target -= w;
+            }
+            return costs.len() - 1;
+        }
+        // All costs equal: every rank is a tie.
+    }
+    let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
+    // Reservoir sampling over the exact ties: uniform without collecting them.
+    let mut chosen = 0;
+    let mut ties = 0u32;
+    for (i, &c) in costs.iter().enumerate() {
+        if c == min {
+            ties += 1;
+            if rng.random_range(0..ties) == 0 {
+                chosen = i;
+            }
+        }
+    }
+    chosen
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+    use rand::rngs::SmallRng;
+
+    fn candidate(worker: u64, overlap: u32, decode: u64) -> Candidate {
+        Candidate {
+            rank: Rank::new(worker, 0),
+            device_blocks: overlap,
+            host_blocks: overlap,
+            disk_blocks: overlap,
+            active_prefill_tokens: 0,
+            active_decode_blocks: 0,
+            potential_decode_blocks: decode,
+            active_requests: 0,
+            total_kv_blocks: None,
+            max_num_batched_tokens: None,
+        }
+    }
+
+    #[test]
+    fn documented_example_picks_the_second_rank() {
+        // (prefill blocks, overlap, decode blocks) = (10, 2, 10), (10, 5, 5), (10, 8, 9).
+        let config = SchedulerConfig::default();
+        let candidates = [candidate(1, 2, 10), candidate(2, 5, 5), candidate(3, 8, 9)];
+        let costs: Vec<f64> = candidates
+            .iter()
+            .map(|c| config.cost(c, 10 * 16, 16))
+            .collect();
+        assert_eq!(costs, vec![18.0, 10.0, 11.0]);
+        let mut rng = SmallRng::seed_from_u64(1);
+        assert_eq!(pick(&costs, 0.0, &mut rng), 1);
+    }
+
+    #[test]
+    fn effective_prefill_follows_the_spec_examples() {
+        let config = SchedulerConfig::default();
+        // 18 tokens, block 4, 16 cached on the device → 2.
+        assert_eq!(effective_prefill_tokens(18, 4, config.credit(4, 4, 4)), 2);
+        // The same 16 only on the host: credit 0.75 × 4 blocks = 12 tokens → 18 − 12 = 6 (the
+        // formula Dynamo applies, as its recorded 17-token example below confirms).
+        assert_eq!(effective_prefill_tokens(18, 4, config.credit(0, 4, 4)), 6);
+        // Dynamo's fixture: 2 blocks on GPU, 2 more on CPU, 17 tokens → 17 − ⌊4 × 3.5⌋ = 3.
+        assert_eq!(effective_prefill_tokens(17, 4, config.credit(2, 4, 4)), 3);
+        assert_eq!(effective_prefill_tokens(5, 4, 10.0), 0);
+    }
+
+    #[test]
+    fn host_and_disk_extensions_are_credited_at_their_weights() {
+        let config = SchedulerConfig::default();
+        assert_eq!(config.credit(2, 4, 8), 2.0 + 0.75 * 2.0 + 0.25 * 4.0);
+    }
+
+    #[test]
+    fn exact_ties_are_broken_uniformly() {
+        let mut rng = SmallRng::seed_from_u64(42);
+        let costs = [3.0, 1.0, 1.0, 1.0, 2.0];
+        let mut hits = [0u32; 5];
+        for _ in 0..3000 {
+            hits[pick(&costs, 0.0, &mut rng)] += 1;
+        }
+        assert_eq!(hits[0] + hits[4], 0);
+        for &h in &hits[1..4] {
+            assert!((800..1200).contains(&h), "{hits:?}");
+        }
+    }
+
+    #[test]
+    fn temperature_prefers_cheap_ranks_but_samples_others() {
+        let mut rng = SmallRng::seed_from_u64(7);
+        let costs = [0.0, 10.0];
+        let mut hits = [0u32; 2];
+        for _ in 0..2000 {
+            hits[pick(&costs, 1.0, &mut rng)] += 1;
+        }
+        // p(second) = e^-1 / (1 + e^-1) ≈ 0.269.
+        assert!(hits[1] > 400 && hits[1] < 700, "{hits:?}");
+    }
+
+    #[test]
+    fn overrides_replace_only_what_they_name() {
+        let config = SchedulerConfig::default().with(&Overrides {
+            overlap_score_credit: Some(0.0),
+            ..Overrides::default()
+        });
+        assert_eq!(config.overlap_score_credit, 0.0);
+        assert_eq!(config.prefill_load_scale, 1.0);
+    }
+
+    #[test]
+    fn busy_thresholds() {
+        let config = SchedulerConfig {
+            busy_decode_fraction: Some(0.5),
+            busy_prefill_tokens: Some(1000),
+            ..SchedulerConfig::default()
+        };
+        let mut c = candidate(1, 0, 0);
+        c.total_kv_blocks = Some(100);
+        c.active_decode_blocks = 49;
+        assert!(!config.is_busy(&c));
+        c.active_decode_blocks = 50;
+        assert!(config.is_busy(&c));
+        c.active_decode_blocks = 0;
+        c.active_prefill_tokens = 1000;
+        assert!(config.is_busy(&c));
+    }
+}
