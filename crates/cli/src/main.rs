@@ -1,7 +1,8 @@
-//! The `kvroute` binary: `hash` today; `serve`, `sim`, `fake-engine` as they land.
+//! The `kvroute` binary: `serve` (the HTTP selection service), `hash`.
 #![forbid(unsafe_code)]
 
 mod hash_cmd;
+mod serve_cmd;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -21,11 +22,26 @@ struct Cli {
 enum Command {
     /// Hash a token prompt (a JSON array on stdin) the way kvroute, Dynamo and the engines do.
     Hash(hash_cmd::HashArgs),
+    /// Run the HTTP selection service (Dynamo-compatible API) on 127.0.0.1:8000 by default.
+    Serve(kvroute_service::ServeConfig),
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Hash(args) => hash_cmd::run(&args),
+        Command::Serve(config) => {
+            init_logging();
+            serve_cmd::run(config)
+        }
     }
 }

@@ -487,7 +487,7 @@ impl Selector {
 
     /// Running eviction counters of the pending-selection cache.
     pub fn pending_counters(&self) -> crate::pending::PendingCounters {
-        self.pending().counters().clone()
+        *self.pending().counters()
     }
 
     fn check_running(&self) -> Result<(), Error> {
@@ -673,7 +673,7 @@ impl Selector {
         self.detach_from_partition(&record.spec.partition(), worker_id);
         self.load.free_worker(worker_id);
         record.lifecycle = Lifecycle::Unschedulable;
-        record.not_schedulable_reasons = vec!["worker deleted".to_string()];
+        record.not_schedulable_reasons = Vec::new();
         Ok(record)
     }
 

@@ -1,0 +1,71 @@
+//! `kvroute serve`: the HTTP selection service.
+
+use kvroute_service::{AppState, ServeConfig, http};
+use std::net::SocketAddr;
+use std::process::ExitCode;
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = terminate => {},
+    }
+}
+
+pub fn run(config: ServeConfig) -> ExitCode {
+    let state = match AppState::new(config) {
+        Ok(state) => state,
+        Err(message) => {
+            eprintln!("kvroute serve: {message}");
+            return ExitCode::from(2);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kvroute serve: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(async move {
+        let addr = SocketAddr::new(state.config.bind, state.config.port);
+        let listener = match tokio::net::TcpListener::bind(addr).await {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("kvroute serve: cannot listen on {addr}: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        let local = listener.local_addr().unwrap_or(addr);
+        tracing::info!(%local, "kvroute selection service listening");
+        println!("kvroute listening on http://{local}");
+        match http::serve(state, listener, shutdown_signal()).await {
+            Ok(()) => {
+                tracing::info!("stopped");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("kvroute serve: {e}");
+                ExitCode::FAILURE
+            }
+        }
+    })
+}

@@ -1,0 +1,128 @@
+//! Full in-process selection benches: `select` of a 131,072-token prompt (hash + find_matches +
+//! schedule) against 1,000 ranks whose caches hold random-length prefixes of it plus trace
+//! chains, and the `select` → `create_reservation` (replay) → `free` cycle per request.
+//! Besides criterion's figures it prints p50/p99 over 2,000 timed selects.
+
+mod common;
+
+use common::{BLOCK_SIZE, fleet_events, store_event, trace_prompts};
+use criterion::{Criterion, criterion_group, criterion_main};
+use kvroute_core::error::PartitionKey;
+use kvroute_core::event::Rank;
+use kvroute_core::hash::{BASE_SEED, local_hashes};
+use kvroute_core::selector::{Prompt, ReservationRequest, SelectRequest, Selector, WorkerSpec};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use std::collections::HashSet;
+use std::hint::black_box;
+use std::time::Instant;
+
+const PROMPT_TOKENS: usize = 131_072;
+const RANKS: u64 = 1000;
+
+fn long_prompt() -> Vec<u32> {
+    (0..PROMPT_TOKENS as u32)
+        .map(|t| t.wrapping_mul(2_654_435_761) % 150_000)
+        .collect()
+}
+
+fn fleet(prompt: &[u32]) -> Selector {
+    let mut selector = Selector::default();
+    for w in 0..RANKS {
+        selector
+            .upsert_worker(WorkerSpec {
+                worker_id: w,
+                model_name: "m".into(),
+                routing_group: "g".into(),
+                endpoint: Some(format!("http://worker-{w}")),
+                block_size: Some(BLOCK_SIZE as u32),
+                kv_events_endpoint: Some(format!("tcp://127.0.0.1:{}", 20000 + w)),
+                ..WorkerSpec::default()
+            })
+            .expect("upsert");
+    }
+    let prompts = trace_prompts(usize::MAX);
+    for (rank, event) in fleet_events(RANKS, &prompts) {
+        selector.apply_events(rank.worker_id, rank.dp_rank, &[event]);
+    }
+    let query_local = local_hashes(prompt, BLOCK_SIZE, BASE_SEED);
+    let mut rng = SmallRng::seed_from_u64(7);
+    for w in 0..RANKS {
+        let len = rng.random_range(0..=query_local.len());
+        let mut held = HashSet::new();
+        if let Some(event) = store_event(&mut held, &query_local[..len]) {
+            let rank = Rank::new(w, 0);
+            selector.apply_events(rank.worker_id, rank.dp_rank, &[event]);
+        }
+    }
+    selector
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+fn bench_select(c: &mut Criterion) {
+    let prompt = long_prompt();
+    let mut selector = fleet(&prompt);
+    let partition = PartitionKey::new("m", "g");
+    let mut rng = SmallRng::seed_from_u64(1);
+    let request = SelectRequest::new(
+        &partition,
+        Prompt::Tokens {
+            tokens: &prompt,
+            lora_name: None,
+            cache_salt: None,
+        },
+    );
+    let mut samples: Vec<f64> = (0..2000)
+        .map(|_| {
+            let start = Instant::now();
+            black_box(
+                selector
+                    .select(&request, Instant::now(), &mut rng)
+                    .expect("select"),
+            );
+            start.elapsed().as_secs_f64() * 1e6
+        })
+        .collect();
+    samples.sort_by(f64::total_cmp);
+    println!(
+        "select_131072_tokens_1000_ranks: p50 {:.1} us, p90 {:.1} us, p99 {:.1} us",
+        percentile(&samples, 0.5),
+        percentile(&samples, 0.9),
+        percentile(&samples, 0.99)
+    );
+    c.bench_function("select_131072_tokens_1000_ranks", |b| {
+        b.iter(|| selector.select(&request, Instant::now(), &mut rng))
+    });
+
+    let short: Vec<u32> = prompt[..8192].to_vec();
+    let mut n = 0u64;
+    c.bench_function("select_replay_free_8192_tokens_1000_ranks", |b| {
+        b.iter(|| {
+            n += 1;
+            let id = format!("r{n}");
+            let req = SelectRequest {
+                selection_id: Some(&id),
+                ..SelectRequest::new(
+                    &partition,
+                    Prompt::Tokens {
+                        tokens: &short,
+                        lora_name: None,
+                        cache_salt: None,
+                    },
+                )
+            };
+            let now = Instant::now();
+            selector.select(&req, now, &mut rng).expect("select");
+            selector
+                .create_reservation(&ReservationRequest::replay(&partition, &id), now)
+                .expect("replay");
+            selector.free(&id).expect("free");
+        })
+    });
+}
+
+criterion_group!(benches, bench_select);
+criterion_main!(benches);

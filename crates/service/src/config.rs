@@ -1,0 +1,277 @@
+//! Service configuration: one struct, parsed by clap from flags and `KVROUTE_*` environment
+//! variables (so tests can build it from an argument list without touching the process
+//! environment), validated with messages that name the knob.
+
+use clap::{Args, ValueEnum};
+use kvroute_core::index::IndexConfig;
+use kvroute_core::pending::PendingConfig;
+use kvroute_core::schedule::SchedulerConfig;
+use kvroute_core::selector::SelectorConfig;
+use std::net::IpAddr;
+use std::time::Duration;
+
+/// How workers without KV events have their cache predicted (SPEC §9).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
+pub enum ApproximatePolicy {
+    /// Booked prompts are assumed cached for a fixed time.
+    #[default]
+    Ttl,
+    /// A capacity-bounded LRU model of each rank's KV pool.
+    Lru,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ServeConfig {
+    /// Address to bind (loopback by default; use 0.0.0.0 to listen on every interface).
+    #[arg(long, env = "KVROUTE_BIND", default_value = "127.0.0.1")]
+    pub bind: IpAddr,
+    /// TCP port of the HTTP API.
+    #[arg(long, env = "KVROUTE_PORT", default_value_t = 8000)]
+    pub port: u16,
+    /// Bearer token required on every route except /health, /ready and /metrics.
+    #[arg(long, env = "KVROUTE_API_KEY")]
+    pub api_key: Option<String>,
+    /// Largest accepted request body, in bytes (413 beyond).
+    #[arg(long, env = "KVROUTE_BODY_LIMIT_BYTES", default_value_t = 8 * 1024 * 1024)]
+    pub body_limit_bytes: usize,
+
+    /// How long a cached selection can be replayed, in seconds.
+    #[arg(
+        long,
+        env = "KVROUTE_SELECTION_CACHE_TTL_SECS",
+        default_value_t = 120.0
+    )]
+    pub selection_cache_ttl_secs: f64,
+    /// Most cached selections kept.
+    #[arg(
+        long,
+        env = "KVROUTE_SELECTION_CACHE_MAX_ENTRIES",
+        default_value_t = 4096
+    )]
+    pub selection_cache_max_entries: usize,
+    /// Approximate byte budget of cached selections.
+    #[arg(long, env = "KVROUTE_SELECTION_CACHE_MAX_BYTES", default_value_t = 256 * 1024 * 1024)]
+    pub selection_cache_max_bytes: u64,
+
+    /// Weight of a block cached on the device in the cost function.
+    #[arg(long, env = "KVROUTE_OVERLAP_SCORE_CREDIT", default_value_t = 1.0)]
+    pub overlap_score_credit: f64,
+    /// Multiplier of the prefill term of the cost function.
+    #[arg(long, env = "KVROUTE_PREFILL_LOAD_SCALE", default_value_t = 1.0)]
+    pub prefill_load_scale: f64,
+    /// Credit of a block cached on the host (CPU) tier.
+    #[arg(long, env = "KVROUTE_HOST_CACHE_HIT_WEIGHT", default_value_t = 0.75)]
+    pub host_cache_hit_weight: f64,
+    /// Credit of a block cached on disk or external storage.
+    #[arg(long, env = "KVROUTE_DISK_CACHE_HIT_WEIGHT", default_value_t = 0.25)]
+    pub disk_cache_hit_weight: f64,
+    /// Cost of each active request on a rank.
+    #[arg(
+        long,
+        env = "KVROUTE_DECODE_ACTIVE_REQUEST_WEIGHT",
+        default_value_t = 0.0
+    )]
+    pub decode_active_request_weight: f64,
+    /// 0 picks the cheapest rank; above 0 samples ranks with p ∝ exp(−cost/T).
+    #[arg(long, env = "KVROUTE_ROUTER_TEMPERATURE", default_value_t = 0.0)]
+    pub router_temperature: f64,
+    /// Whether bookings count their prefill tokens as load until prefill completes.
+    #[arg(long, env = "KVROUTE_TRACK_PREFILL_TOKENS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub track_prefill_tokens: bool,
+    /// A rank is busy when its active decode blocks reach this fraction of total_kv_blocks.
+    #[arg(long, env = "KVROUTE_BUSY_DECODE_FRACTION")]
+    pub busy_decode_fraction: Option<f64>,
+    /// A rank is busy when its active prefill tokens reach this many.
+    #[arg(long, env = "KVROUTE_BUSY_PREFILL_TOKENS")]
+    pub busy_prefill_tokens: Option<u64>,
+    /// A rank is busy when its active prefill tokens reach this fraction of
+    /// max_num_batched_tokens.
+    #[arg(long, env = "KVROUTE_BUSY_PREFILL_FRACTION")]
+    pub busy_prefill_fraction: Option<f64>,
+
+    /// A booking with no lifecycle call for this long is freed, in seconds.
+    #[arg(
+        long,
+        env = "KVROUTE_ACTIVE_REQUEST_EXPIRY_SECS",
+        default_value_t = 300.0
+    )]
+    pub active_request_expiry_secs: f64,
+    /// Cap on indexed blocks per partition; the oldest are evicted beyond it.
+    #[arg(long, env = "KVROUTE_MAX_INDEXED_BLOCKS", default_value_t = 1 << 22)]
+    pub max_indexed_blocks: usize,
+
+    /// Do not subscribe to engines' KV events; predict every worker's cache from bookings.
+    #[arg(long, env = "KVROUTE_NO_KV_EVENTS", default_value_t = false)]
+    pub no_kv_events: bool,
+    /// The approximate cache model for workers without KV events: the model is active for a
+    /// rank exactly when it has no KV-event endpoint or the router runs with --no-kv-events.
+    #[arg(long, env = "KVROUTE_APPROXIMATE_CACHE_POLICY", value_enum, default_value_t = ApproximatePolicy::Ttl)]
+    pub approximate_cache_policy: ApproximatePolicy,
+}
+
+fn finite_non_negative(name: &str, value: f64) -> Result<(), String> {
+    if value.is_finite() && value >= 0.0 {
+        Ok(())
+    } else {
+        Err(format!(
+            "--{name} must be a finite number ≥ 0 (got {value})"
+        ))
+    }
+}
+
+fn positive_secs(name: &str, value: f64) -> Result<Duration, String> {
+    if value.is_finite() && value > 0.0 && value < 1e9 {
+        Ok(Duration::from_secs_f64(value))
+    } else {
+        Err(format!(
+            "--{name} must be a number of seconds > 0 (got {value})"
+        ))
+    }
+}
+
+impl ServeConfig {
+    /// Parses a configuration from arguments (tests; the binary uses its own clap command).
+    pub fn parse_from<I, T>(args: I) -> Result<Self, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        #[derive(clap::Parser)]
+        struct Wrapper {
+            #[command(flatten)]
+            config: ServeConfig,
+        }
+        use clap::Parser;
+        Wrapper::try_parse_from(args).map(|w| w.config)
+    }
+
+    /// The defaults, as `kvroute serve` with no flags (ignores the environment).
+    pub fn defaults() -> Self {
+        Self {
+            bind: IpAddr::from([127, 0, 0, 1]),
+            port: 8000,
+            api_key: None,
+            body_limit_bytes: 8 * 1024 * 1024,
+            selection_cache_ttl_secs: 120.0,
+            selection_cache_max_entries: 4096,
+            selection_cache_max_bytes: 256 * 1024 * 1024,
+            overlap_score_credit: 1.0,
+            prefill_load_scale: 1.0,
+            host_cache_hit_weight: 0.75,
+            disk_cache_hit_weight: 0.25,
+            decode_active_request_weight: 0.0,
+            router_temperature: 0.0,
+            track_prefill_tokens: true,
+            busy_decode_fraction: None,
+            busy_prefill_tokens: None,
+            busy_prefill_fraction: None,
+            active_request_expiry_secs: 300.0,
+            max_indexed_blocks: 1 << 22,
+            no_kv_events: false,
+            approximate_cache_policy: ApproximatePolicy::Ttl,
+        }
+    }
+
+    /// Checks every knob and builds the selector's configuration.
+    pub fn validate(&self) -> Result<SelectorConfig, String> {
+        for (name, value) in [
+            ("overlap-score-credit", self.overlap_score_credit),
+            ("prefill-load-scale", self.prefill_load_scale),
+            ("host-cache-hit-weight", self.host_cache_hit_weight),
+            ("disk-cache-hit-weight", self.disk_cache_hit_weight),
+            (
+                "decode-active-request-weight",
+                self.decode_active_request_weight,
+            ),
+            ("router-temperature", self.router_temperature),
+        ] {
+            finite_non_negative(name, value)?;
+        }
+        for (name, value) in [
+            ("busy-decode-fraction", self.busy_decode_fraction),
+            ("busy-prefill-fraction", self.busy_prefill_fraction),
+        ] {
+            if let Some(v) = value
+                && !(v.is_finite() && v > 0.0)
+            {
+                return Err(format!("--{name} must be a fraction > 0 (got {v})"));
+            }
+        }
+        if self.selection_cache_max_entries == 0 {
+            return Err("--selection-cache-max-entries must be at least 1".to_string());
+        }
+        if self.selection_cache_max_bytes == 0 {
+            return Err("--selection-cache-max-bytes must be at least 1".to_string());
+        }
+        if self.max_indexed_blocks == 0 {
+            return Err("--max-indexed-blocks must be at least 1".to_string());
+        }
+        if self.body_limit_bytes < 1024 {
+            return Err("--body-limit-bytes must be at least 1024".to_string());
+        }
+        if self.api_key.as_deref().is_some_and(str::is_empty) {
+            return Err(
+                "--api-key must not be empty (omit it to disable authentication)".to_string(),
+            );
+        }
+        let ttl = positive_secs("selection-cache-ttl-secs", self.selection_cache_ttl_secs)?;
+        let expiry = positive_secs(
+            "active-request-expiry-secs",
+            self.active_request_expiry_secs,
+        )?;
+        Ok(SelectorConfig {
+            scheduler: SchedulerConfig {
+                overlap_score_credit: self.overlap_score_credit,
+                prefill_load_scale: self.prefill_load_scale,
+                host_cache_hit_weight: self.host_cache_hit_weight,
+                disk_cache_hit_weight: self.disk_cache_hit_weight,
+                decode_active_request_weight: self.decode_active_request_weight,
+                router_temperature: self.router_temperature,
+                track_prefill_tokens: self.track_prefill_tokens,
+                busy_decode_fraction: self.busy_decode_fraction,
+                busy_prefill_tokens: self.busy_prefill_tokens,
+                busy_prefill_fraction: self.busy_prefill_fraction,
+            },
+            pending: PendingConfig {
+                ttl,
+                max_entries: self.selection_cache_max_entries,
+                max_bytes: self.selection_cache_max_bytes,
+            },
+            index: IndexConfig {
+                max_blocks: self.max_indexed_blocks,
+            },
+            active_request_expiry: expiry,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_match_the_flags_without_arguments() {
+        let parsed = ServeConfig::parse_from(["kvroute"]).unwrap();
+        let defaults = ServeConfig::defaults();
+        assert_eq!(parsed.port, defaults.port);
+        assert_eq!(parsed.bind, defaults.bind);
+        assert_eq!(parsed.validate().unwrap(), defaults.validate().unwrap());
+        assert_eq!(defaults.validate().unwrap(), SelectorConfig::default());
+    }
+
+    #[test]
+    fn invalid_knobs_are_named() {
+        let bad = ServeConfig::parse_from(["kvroute", "--router-temperature", "-1"]).unwrap();
+        assert_eq!(
+            bad.validate().unwrap_err(),
+            "--router-temperature must be a finite number ≥ 0 (got -1)"
+        );
+        let bad = ServeConfig::parse_from(["kvroute", "--selection-cache-ttl-secs", "0"]).unwrap();
+        assert!(
+            bad.validate()
+                .unwrap_err()
+                .contains("--selection-cache-ttl-secs")
+        );
+        assert!(ServeConfig::parse_from(["kvroute", "--port", "70000"]).is_err());
+    }
+}

@@ -1,0 +1,139 @@
+//! The HTTP selection service (SPEC §7): routes, middleware (metrics, API key, shutdown) and
+//! [`app`], which builds the whole service so tests can drive it without a socket.
+
+pub mod error;
+pub mod handlers;
+pub mod json;
+pub mod openapi;
+pub mod types;
+
+use crate::state::AppState;
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::http::StatusCode;
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use error::ApiError;
+use handlers::*;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Routes that answer without an API key and during shutdown.
+fn is_open_route(path: &str) -> bool {
+    matches!(path, "/health" | "/ready" | "/metrics")
+}
+
+fn keys_match(given: &[u8], expected: &[u8]) -> bool {
+    // Compare in time independent of where the first difference is.
+    given.len() == expected.len()
+        && given
+            .iter()
+            .zip(expected)
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
+}
+
+async fn guard(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let start = Instant::now();
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or_else(|| "unmatched".to_string(), |p| p.as_str().to_string());
+    let method = req.method().to_string();
+    let open = is_open_route(req.uri().path());
+    let response = if !open && state.is_shutting_down() {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "selection service is shutting down",
+        )
+        .into_response()
+    } else if let (false, Some(key)) = (open, state.config.api_key.as_deref()) {
+        let given = req
+            .headers()
+            .get(axum::http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or("");
+        if keys_match(given.as_bytes(), key.as_bytes()) {
+            next.run(req).await
+        } else {
+            ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "missing or invalid API key: send `Authorization: Bearer <key>`",
+            )
+            .into_response()
+        }
+    } else {
+        next.run(req).await
+    };
+    state.metrics.observe_http(
+        &route,
+        &method,
+        response.status().as_u16(),
+        start.elapsed().as_secs_f64(),
+    );
+    response
+}
+
+async fn route_not_found() -> Response {
+    ApiError::new(StatusCode::NOT_FOUND, "route not found").into_response()
+}
+
+async fn method_not_allowed() -> Response {
+    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method not allowed").into_response()
+}
+
+/// The whole service as a router.
+pub fn app(state: Arc<AppState>) -> Router {
+    let body_limit = state.config.body_limit_bytes;
+    Router::new()
+        .route("/workers", post(upsert_worker).get(list_workers))
+        .route(
+            "/workers/{worker_id}",
+            delete(delete_worker).patch(patch_worker),
+        )
+        .route("/select", post(select))
+        .route("/select_and_reserve", post(select_and_reserve))
+        .route("/reservations", post(create_reservation))
+        .route(
+            "/reservations/{reservation_id}/prefill_complete",
+            post(prefill_complete),
+        )
+        .route(
+            "/reservations/{reservation_id}/output_block",
+            post(output_block),
+        )
+        .route("/reservations/{reservation_id}", delete(free_reservation))
+        .route("/overlap_scores", post(overlap_scores))
+        .route("/potential_loads", post(potential_loads))
+        .route("/loads", get(loads))
+        .route("/ready", get(ready))
+        .route("/health", get(health))
+        .route("/dump", get(dump))
+        .route("/metrics", get(metrics))
+        .route("/openapi.json", get(openapi))
+        .fallback(route_not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(Arc::clone(&state), guard))
+        .layer(DefaultBodyLimit::max(body_limit))
+        .with_state(state)
+}
+
+/// Serves until `shutdown` resolves; then refuses new work, lets in-flight requests finish and
+/// returns.
+pub async fn serve(
+    state: Arc<AppState>,
+    listener: tokio::net::TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    tokio::spawn(Arc::clone(&state).run_housekeeping());
+    let drain_state = Arc::clone(&state);
+    axum::serve(listener, app(state))
+        .with_graceful_shutdown(async move {
+            shutdown.await;
+            tracing::info!("shutting down: refusing new work, finishing in-flight requests");
+            drain_state.begin_shutdown();
+        })
+        .await
+}

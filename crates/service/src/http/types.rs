@@ -1,0 +1,534 @@
+//! JSON request and response bodies, shaped like Dynamo's selection service (field names,
+//! defaults, nesting), plus kvroute's additions (`reservation_id`, `tenant_id` alias).
+
+use kvroute_core::error::{Error, PartitionKey, check_id};
+use kvroute_core::hash::PromptHashes;
+use kvroute_core::schedule::Overrides;
+use kvroute_core::selector::{
+    OverlapScores, PartitionLoads, PinnedWorker, RankLoadReport, Reservation, Selection,
+    WorkerRecord, WorkerSpec,
+};
+use serde::{Deserialize, Deserializer, Serialize};
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+
+fn default_name() -> String {
+    "default".to_string()
+}
+
+/// A block hash on the wire: signed (Dynamo) or unsigned; both map to the same 64 bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WireHash(pub u64);
+
+impl<'de> Deserialize<'de> for WireHash {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = WireHash;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a 64-bit integer hash (signed or unsigned)")
+            }
+            fn visit_i64<E>(self, v: i64) -> Result<WireHash, E> {
+                Ok(WireHash(v as u64))
+            }
+            fn visit_u64<E>(self, v: u64) -> Result<WireHash, E> {
+                Ok(WireHash(v))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+fn hashes(v: &[WireHash]) -> Vec<u64> {
+    v.iter().map(|h| h.0).collect()
+}
+
+/// Hashes as Dynamo renders them: signed i64.
+pub fn signed(v: &[u64]) -> Vec<i64> {
+    v.iter().map(|&h| h as i64).collect()
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct OverrideBody {
+    pub overlap_score_credit: Option<f64>,
+    pub prefill_load_scale: Option<f64>,
+    pub router_temperature: Option<f64>,
+    pub track_prefill_tokens: Option<bool>,
+}
+
+impl OverrideBody {
+    pub fn to_overrides(&self) -> Result<Overrides, Error> {
+        for (field, v) in [
+            ("overlap_score_credit", self.overlap_score_credit),
+            ("prefill_load_scale", self.prefill_load_scale),
+            ("router_temperature", self.router_temperature),
+        ] {
+            if let Some(v) = v
+                && !(v.is_finite() && v >= 0.0)
+            {
+                return Err(Error::InvalidField {
+                    field,
+                    message: format!("router_config_override.{field} must be a finite number ≥ 0"),
+                });
+            }
+        }
+        Ok(Overrides {
+            overlap_score_credit: self.overlap_score_credit,
+            prefill_load_scale: self.prefill_load_scale,
+            router_temperature: self.router_temperature,
+            track_prefill_tokens: self.track_prefill_tokens,
+        })
+    }
+}
+
+/// The prompt fields every prompt route accepts.
+#[derive(Debug, Clone, Default)]
+pub struct PromptBody {
+    pub token_ids: Option<Vec<u32>>,
+    pub block_hashes: Option<Vec<WireHash>>,
+    pub sequence_hashes: Option<Vec<WireHash>>,
+    pub isl_tokens: Option<u64>,
+    pub lora_name: Option<String>,
+    pub cache_salt: Option<String>,
+}
+
+/// A prompt after validation: token ids to hash, or client-supplied hashes.
+pub enum PromptInput {
+    Tokens(Vec<u32>),
+    Hashes(PromptHashes),
+}
+
+impl PromptBody {
+    /// `missing` names the field reported when no prompt is given (`block_hashes` on select
+    /// routes, `sequence_hashes` on reservations, where block hashes are optional).
+    pub fn resolve(&mut self, missing: &'static str) -> Result<PromptInput, Error> {
+        if let Some(tokens) = self.token_ids.take() {
+            if tokens.is_empty() {
+                return Err(Error::EmptyTokenIds);
+            }
+            return Ok(PromptInput::Tokens(tokens));
+        }
+        let sequence = match (&self.block_hashes, &self.sequence_hashes, missing) {
+            (None, _, "block_hashes") => {
+                return Err(Error::MissingPrompt {
+                    field: "block_hashes",
+                });
+            }
+            (_, None, _) => {
+                return Err(Error::MissingPrompt {
+                    field: "sequence_hashes",
+                });
+            }
+            (_, Some(s), _) => hashes(s),
+        };
+        let local = match &self.block_hashes {
+            Some(b) => hashes(b),
+            // Bookings need only sequence hashes.
+            None => sequence.clone(),
+        };
+        let Some(isl_tokens) = self.isl_tokens else {
+            return Err(Error::InvalidField {
+                field: "isl_tokens",
+                message: "isl_tokens is required without token_ids".to_string(),
+            });
+        };
+        let prompt = PromptHashes {
+            local,
+            sequence,
+            isl_tokens,
+        };
+        kvroute_core::selector::validate_hashes(&prompt)?;
+        Ok(PromptInput::Hashes(prompt))
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct PinnedBody {
+    pub worker_id: u64,
+    pub dp_rank: Option<u32>,
+}
+
+fn partition_key(model_name: &str, routing_group: &Option<String>) -> Result<PartitionKey, Error> {
+    let group = routing_group.clone().unwrap_or_else(default_name);
+    check_id("model_name", model_name)?;
+    check_id("routing_group", &group)?;
+    Ok(PartitionKey::new(model_name, group))
+}
+
+// The bodies below list their fields directly (no `#[serde(flatten)]`): flattening would buffer
+// large token arrays element by element before typing them.
+
+macro_rules! prompt_accessors {
+    () => {
+        pub fn key(&self) -> Result<PartitionKey, Error> {
+            partition_key(&self.model_name, &self.routing_group)
+        }
+
+        /// Moves the prompt fields out.
+        pub fn take_prompt(&mut self) -> PromptBody {
+            PromptBody {
+                token_ids: self.token_ids.take(),
+                block_hashes: self.block_hashes.take(),
+                sequence_hashes: self.sequence_hashes.take(),
+                isl_tokens: self.isl_tokens,
+                lora_name: self.lora_name.clone(),
+                cache_salt: self.cache_salt.clone(),
+            }
+        }
+
+        pub fn overrides(&self) -> Result<Overrides, Error> {
+            self.router_config_override
+                .as_ref()
+                .map_or(Ok(Overrides::default()), OverrideBody::to_overrides)
+        }
+    };
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct SelectBody {
+    #[serde(default = "default_name")]
+    pub model_name: String,
+    #[serde(default, alias = "tenant_id")]
+    pub routing_group: Option<String>,
+    pub selection_id: Option<String>,
+    pub reservation_id: Option<String>,
+    pub token_ids: Option<Vec<u32>>,
+    pub block_hashes: Option<Vec<WireHash>>,
+    pub sequence_hashes: Option<Vec<WireHash>>,
+    pub isl_tokens: Option<u64>,
+    pub lora_name: Option<String>,
+    pub cache_salt: Option<String>,
+    pub expected_output_tokens: Option<u64>,
+    #[serde(default)]
+    pub router_config_override: Option<OverrideBody>,
+    pub pinned_worker: Option<PinnedBody>,
+    pub allowed_worker_ids: Option<Vec<u64>>,
+    #[serde(default)]
+    pub advisory: bool,
+}
+
+impl SelectBody {
+    prompt_accessors!();
+
+    pub fn pinned(&self) -> Option<PinnedWorker> {
+        self.pinned_worker.as_ref().map(|p| PinnedWorker {
+            worker_id: p.worker_id,
+            dp_rank: p.dp_rank,
+        })
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ReservationBody {
+    #[serde(default = "default_name")]
+    pub model_name: String,
+    #[serde(default, alias = "tenant_id")]
+    pub routing_group: Option<String>,
+    pub selection_id: Option<String>,
+    pub reservation_id: Option<String>,
+    pub worker_id: Option<u64>,
+    pub dp_rank: Option<u32>,
+    pub token_ids: Option<Vec<u32>>,
+    pub block_hashes: Option<Vec<WireHash>>,
+    pub sequence_hashes: Option<Vec<WireHash>>,
+    pub isl_tokens: Option<u64>,
+    pub lora_name: Option<String>,
+    pub cache_salt: Option<String>,
+    pub effective_prefill_tokens: Option<u64>,
+    pub expected_output_tokens: Option<u64>,
+    pub track_prefill_tokens: Option<bool>,
+    #[serde(default)]
+    pub router_config_override: Option<OverrideBody>,
+}
+
+impl ReservationBody {
+    prompt_accessors!();
+
+    /// Whether the body carries any prompt field.
+    pub fn has_prompt(&self) -> bool {
+        self.token_ids.is_some() || self.sequence_hashes.is_some() || self.block_hashes.is_some()
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct PromptRouteBody {
+    #[serde(default = "default_name")]
+    pub model_name: String,
+    #[serde(default, alias = "tenant_id")]
+    pub routing_group: Option<String>,
+    pub token_ids: Option<Vec<u32>>,
+    pub block_hashes: Option<Vec<WireHash>>,
+    pub sequence_hashes: Option<Vec<WireHash>>,
+    pub isl_tokens: Option<u64>,
+    pub lora_name: Option<String>,
+    pub cache_salt: Option<String>,
+    #[serde(default)]
+    pub router_config_override: Option<OverrideBody>,
+}
+
+impl PromptRouteBody {
+    prompt_accessors!();
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct OutputBlockBody {
+    pub decay_fraction: Option<f64>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct PartitionQuery {
+    pub model_name: Option<String>,
+    #[serde(alias = "tenant_id")]
+    pub routing_group: Option<String>,
+}
+
+/// `POST /workers` and, with every field optional, `PATCH /workers/{id}`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct WorkerBody {
+    pub worker_id: Option<u64>,
+    pub model_name: Option<String>,
+    #[serde(alias = "tenant_id")]
+    pub routing_group: Option<String>,
+    pub endpoint: Option<String>,
+    pub block_size: Option<u32>,
+    pub data_parallel_start_rank: Option<u32>,
+    pub data_parallel_size: Option<u32>,
+    pub total_kv_blocks: Option<u64>,
+    pub max_num_batched_tokens: Option<u64>,
+    pub kv_events_endpoint: Option<String>,
+    pub kv_events_endpoints: Option<BTreeMap<String, String>>,
+    pub replay_endpoint: Option<String>,
+}
+
+impl WorkerBody {
+    fn endpoints(&self) -> Result<Option<BTreeMap<u32, String>>, Error> {
+        let Some(map) = &self.kv_events_endpoints else {
+            return Ok(None);
+        };
+        map.iter()
+            .map(|(k, v)| {
+                k.parse::<u32>()
+                    .map(|rank| (rank, v.clone()))
+                    .map_err(|_| Error::InvalidField {
+                        field: "kv_events_endpoints",
+                        message: format!(
+                            "kv_events_endpoints key `{k}` must be a dp rank (an integer between 0 and 4294967295)"
+                        ),
+                    })
+            })
+            .collect::<Result<_, _>>()
+            .map(Some)
+    }
+
+    /// A full spec for `POST /workers`.
+    pub fn into_spec(self) -> Result<WorkerSpec, Error> {
+        let Some(worker_id) = self.worker_id else {
+            return Err(Error::InvalidField {
+                field: "worker_id",
+                message: "worker_id is required".to_string(),
+            });
+        };
+        let endpoints = self.endpoints()?.unwrap_or_default();
+        Ok(WorkerSpec {
+            worker_id,
+            model_name: self.model_name.unwrap_or_else(default_name),
+            routing_group: self.routing_group.unwrap_or_else(default_name),
+            endpoint: self.endpoint,
+            block_size: self.block_size,
+            data_parallel_start_rank: self.data_parallel_start_rank,
+            data_parallel_size: self.data_parallel_size,
+            total_kv_blocks: self.total_kv_blocks,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            kv_events_endpoint: self.kv_events_endpoint,
+            kv_events_endpoints: endpoints,
+            replay_endpoint: self.replay_endpoint,
+        })
+    }
+
+    /// Applies the fields present to an existing spec (`PATCH`); identity fields are ignored.
+    pub fn patch(self, mut spec: WorkerSpec) -> Result<WorkerSpec, Error> {
+        if let Some(endpoints) = self.endpoints()? {
+            spec.kv_events_endpoints = endpoints;
+        }
+        macro_rules! set {
+            ($($field:ident),*) => { $( if self.$field.is_some() { spec.$field = self.$field; } )* };
+        }
+        set!(
+            endpoint,
+            block_size,
+            data_parallel_start_rank,
+            data_parallel_size,
+            total_kv_blocks,
+            max_num_batched_tokens,
+            kv_events_endpoint,
+            replay_endpoint
+        );
+        Ok(spec)
+    }
+}
+
+/// The worker record, with Dynamo's fields (the ones kvroute does not use are constant).
+pub fn worker_json(record: &WorkerRecord) -> Value {
+    let s = &record.spec;
+    let mut v = json!({
+        "worker_id": s.worker_id,
+        "model_name": s.model_name,
+        "routing_group": s.routing_group,
+        "lifecycle": record.lifecycle.as_str(),
+        "endpoint": s.endpoint,
+        "kv_events_endpoint": s.kv_events_endpoint,
+        "replay_endpoint": s.replay_endpoint,
+        "block_size": s.block_size,
+        "data_parallel_start_rank": s.data_parallel_start_rank,
+        "data_parallel_size": s.data_parallel_size,
+        "max_num_batched_tokens": s.max_num_batched_tokens,
+        "total_kv_blocks": s.total_kv_blocks,
+        "stable_routing_id": null,
+        "is_eagle": null,
+        "taints": [],
+        "topology_domains": {},
+        "kv_transfer_domain": null,
+        "kv_transfer_enforcement": null,
+        "kv_transfer_preferred_weight": null,
+    });
+    if let Some(obj) = v.as_object_mut() {
+        if !s.kv_events_endpoints.is_empty() {
+            let map: BTreeMap<String, &String> = s
+                .kv_events_endpoints
+                .iter()
+                .map(|(k, a)| (k.to_string(), a))
+                .collect();
+            obj.insert("kv_events_endpoints".into(), json!(map));
+        }
+        if !record.not_schedulable_reasons.is_empty() {
+            obj.insert(
+                "not_schedulable_reasons".into(),
+                json!(record.not_schedulable_reasons),
+            );
+        }
+    }
+    v
+}
+
+/// The `/select` response body.
+pub fn selection_json(s: &Selection) -> Value {
+    let dp: BTreeMap<String, u64> = s
+        .overlap
+        .dp
+        .iter()
+        .map(|(r, t)| (r.to_string(), *t))
+        .collect();
+    let mut v = json!({
+        "model_name": s.partition.model_name,
+        "routing_group": s.partition.routing_group,
+        "worker_id": s.worker_id,
+        "dp_rank": s.dp_rank,
+        "endpoint": s.endpoint,
+        "block_size": s.block_size,
+        "overlap": {
+            "longest_matched": s.overlap.longest_matched,
+            "gpu": s.overlap.gpu,
+            "dp": dp,
+            "cpu": s.overlap.cpu,
+            "disk": s.overlap.disk,
+        },
+        "effective_prefill_tokens": s.effective_prefill_tokens,
+        "potential_decode_blocks": s.potential_decode_blocks,
+    });
+    if let Some(obj) = v.as_object_mut() {
+        if let Some(id) = &s.selection_id {
+            obj.insert("selection_id".into(), json!(id));
+        }
+        if let Some(load) = &s.worker_load {
+            let mut wl = json!({
+                "active_prefill_tokens": load.active_prefill_tokens,
+                "prefill_token_capacity": load.prefill_token_capacity,
+            });
+            if let (Some(total), Some(o)) = (load.total_kv_blocks, wl.as_object_mut()) {
+                o.insert("total_kv_blocks".into(), json!(total));
+            }
+            obj.insert("worker_load".into(), wl);
+        }
+    }
+    v
+}
+
+pub fn select_and_reserve_json(s: &Selection, r: &Reservation) -> Value {
+    let mut v = selection_json(s);
+    if let Some(obj) = v.as_object_mut() {
+        obj.insert("selection_id".into(), json!(r.selection_id));
+        obj.insert("reservation_id".into(), json!(r.reservation_id));
+        obj.insert("sequence_hashes".into(), json!(signed(&s.sequence_hashes)));
+        obj.insert("isl_tokens".into(), json!(s.isl_tokens));
+        obj.insert("track_prefill_tokens".into(), json!(s.track_prefill_tokens));
+    }
+    v
+}
+
+pub fn reservation_json(r: &Reservation) -> Value {
+    json!({
+        "reservation_id": r.reservation_id,
+        "selection_id": r.selection_id.as_deref().unwrap_or(&r.reservation_id),
+        "model_name": r.partition.model_name,
+        "routing_group": r.partition.routing_group,
+        "worker_id": r.worker_id,
+        "dp_rank": r.dp_rank,
+        "endpoint": r.endpoint,
+    })
+}
+
+#[derive(Debug, Serialize)]
+pub struct RankLoadJson {
+    pub worker_id: u64,
+    pub dp_rank: u32,
+    pub potential_prefill_tokens: u64,
+    pub potential_decode_blocks: u64,
+    pub active_requests: u64,
+}
+
+impl From<&RankLoadReport> for RankLoadJson {
+    fn from(r: &RankLoadReport) -> Self {
+        Self {
+            worker_id: r.worker_id,
+            dp_rank: r.dp_rank,
+            potential_prefill_tokens: r.potential_prefill_tokens,
+            potential_decode_blocks: r.potential_decode_blocks,
+            active_requests: r.active_requests,
+        }
+    }
+}
+
+pub fn loads_json(loads: &[PartitionLoads]) -> Value {
+    Value::Array(
+        loads
+            .iter()
+            .map(|p| {
+                json!({
+                    "model_name": p.partition.model_name,
+                    "routing_group": p.partition.routing_group,
+                    "loads": p.loads.iter().map(RankLoadJson::from).collect::<Vec<_>>(),
+                    "pending_count": p.pending_count,
+                    "pending_isl_tokens": p.pending_isl_tokens,
+                })
+            })
+            .collect(),
+    )
+}
+
+pub fn overlap_scores_json(s: &OverlapScores) -> Value {
+    json!({
+        "block_size": s.block_size,
+        "num_blocks": s.num_blocks,
+        "workers": s.workers.iter().map(|w| json!({
+            "worker_id": w.worker_id,
+            "dp_rank": w.dp_rank,
+            "device_blocks": w.device_blocks,
+            "host_pinned_blocks": w.host_pinned_blocks,
+            "disk_blocks": w.disk_blocks,
+            "host_pinned_extension_blocks": w.host_pinned_blocks - w.device_blocks,
+            "disk_extension_blocks": w.disk_blocks - w.host_pinned_blocks,
+            "shared_beyond_device_blocks": null,
+        })).collect::<Vec<_>>(),
+        "shared_cache": {"enabled": false, "total_hit_blocks": 0, "ranges": [], "error": null},
+    })
+}

@@ -1,0 +1,320 @@
+//! Prometheus metrics (SPEC §12), one registry per service instance (no globals), all named
+//! `kvroute_*`. Per-rank load, pending-cache and index sizes are refreshed from the selector when
+//! `/metrics` is scraped; counters of events are incremented as they happen.
+
+use kvroute_core::index::ApplyOutcome;
+use kvroute_core::pending::PendingCounters;
+use kvroute_core::selector::Selector;
+use parking_lot::Mutex;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+pub type Labels = Vec<(String, String)>;
+
+fn labels(pairs: &[(&str, &str)]) -> Labels {
+    pairs
+        .iter()
+        .map(|(k, v)| ((*k).to_string(), (*v).to_string()))
+        .collect()
+}
+
+fn latency_histogram() -> Histogram {
+    // 20 µs … ~10 s.
+    Histogram::new(exponential_buckets(20e-6, 2.0, 20))
+}
+
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    http_requests: Family<Labels, Counter>,
+    http_duration: Family<Labels, Histogram, fn() -> Histogram>,
+    select_phase: Family<Labels, Histogram, fn() -> Histogram>,
+    kv_events: Family<Labels, Counter>,
+    /// ZMQ messages per endpoint and status (ok, malformed, duplicate, replayed, stale).
+    pub kv_messages: Family<Labels, Counter>,
+    /// Sequence gaps detected per endpoint.
+    pub kv_gaps: Family<Labels, Counter>,
+    /// Engine restarts detected (sequence went backwards) per endpoint.
+    pub kv_restarts: Family<Labels, Counter>,
+    /// Listener state per endpoint: 0 connecting, 1 live, 2 replaying, 3 stopped.
+    pub kv_listener_state: Family<Labels, Gauge>,
+    expired_reservations: Counter,
+    rank_prefill_tokens: Family<Labels, Gauge>,
+    rank_decode_blocks: Family<Labels, Gauge>,
+    rank_requests: Family<Labels, Gauge>,
+    pending_entries: Gauge,
+    pending_bytes: Gauge,
+    pending_evictions: Family<Labels, Counter>,
+    index_blocks: Family<Labels, Gauge>,
+    index_pairs: Family<Labels, Gauge>,
+    pending_seen: Mutex<PendingCounters>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("kvroute");
+        let http_requests = Family::<Labels, Counter>::default();
+        registry.register(
+            "http_requests",
+            "HTTP requests by route, method and status",
+            http_requests.clone(),
+        );
+        let http_duration =
+            Family::<Labels, Histogram, fn() -> Histogram>::new_with_constructor(latency_histogram);
+        registry.register(
+            "http_request_duration_seconds",
+            "HTTP request latency by route",
+            http_duration.clone(),
+        );
+        let select_phase =
+            Family::<Labels, Histogram, fn() -> Histogram>::new_with_constructor(latency_histogram);
+        registry.register(
+            "select_phase_duration_seconds",
+            "Selection overhead by phase (hash: hashing token ids; route: index lookup and scheduling)",
+            select_phase.clone(),
+        );
+        let kv_events = Family::<Labels, Counter>::default();
+        registry.register(
+            "kv_events",
+            "KV events (blocks for stored/removed) by type and status",
+            kv_events.clone(),
+        );
+        let kv_messages = Family::<Labels, Counter>::default();
+        registry.register(
+            "kv_messages",
+            "KV-event messages by endpoint and status",
+            kv_messages.clone(),
+        );
+        let kv_gaps = Family::<Labels, Counter>::default();
+        registry.register(
+            "kv_sequence_gaps",
+            "Sequence gaps detected per endpoint",
+            kv_gaps.clone(),
+        );
+        let kv_restarts = Family::<Labels, Counter>::default();
+        registry.register(
+            "kv_engine_restarts",
+            "Engine restarts detected per endpoint (sequence went backwards)",
+            kv_restarts.clone(),
+        );
+        let kv_listener_state = Family::<Labels, Gauge>::default();
+        registry.register(
+            "kv_listener_state",
+            "Listener state per endpoint: 0 connecting, 1 live, 2 replaying, 3 stopped",
+            kv_listener_state.clone(),
+        );
+        let expired_reservations = Counter::default();
+        registry.register(
+            "expired_reservations",
+            "Reservations freed because no lifecycle call came within the expiry",
+            expired_reservations.clone(),
+        );
+        let rank_prefill_tokens = Family::<Labels, Gauge>::default();
+        registry.register(
+            "rank_active_prefill_tokens",
+            "Active prefill tokens per rank",
+            rank_prefill_tokens.clone(),
+        );
+        let rank_decode_blocks = Family::<Labels, Gauge>::default();
+        registry.register(
+            "rank_active_decode_blocks",
+            "Active decode blocks per rank",
+            rank_decode_blocks.clone(),
+        );
+        let rank_requests = Family::<Labels, Gauge>::default();
+        registry.register(
+            "rank_active_requests",
+            "Active requests per rank",
+            rank_requests.clone(),
+        );
+        let pending_entries = Gauge::default();
+        registry.register(
+            "pending_selections",
+            "Entries in the pending-selection cache",
+            pending_entries.clone(),
+        );
+        let pending_bytes = Gauge::default();
+        registry.register(
+            "pending_selection_bytes",
+            "Approximate bytes of the pending-selection cache",
+            pending_bytes.clone(),
+        );
+        let pending_evictions = Family::<Labels, Counter>::default();
+        registry.register(
+            "pending_selection_evictions",
+            "Pending selections evicted, by cause (expired, entries, bytes)",
+            pending_evictions.clone(),
+        );
+        let index_blocks = Family::<Labels, Gauge>::default();
+        registry.register(
+            "index_blocks",
+            "Distinct indexed blocks per partition",
+            index_blocks.clone(),
+        );
+        let index_pairs = Family::<Labels, Gauge>::default();
+        registry.register(
+            "index_block_rank_pairs",
+            "Indexed (block, rank) pairs per partition",
+            index_pairs.clone(),
+        );
+        Self {
+            registry,
+            http_requests,
+            http_duration,
+            select_phase,
+            kv_events,
+            kv_messages,
+            kv_gaps,
+            kv_restarts,
+            kv_listener_state,
+            expired_reservations,
+            rank_prefill_tokens,
+            rank_decode_blocks,
+            rank_requests,
+            pending_entries,
+            pending_bytes,
+            pending_evictions,
+            index_blocks,
+            index_pairs,
+            pending_seen: Mutex::new(PendingCounters::default()),
+        }
+    }
+
+    pub fn observe_http(&self, route: &str, method: &str, status: u16, seconds: f64) {
+        let status = status.to_string();
+        self.http_requests
+            .get_or_create(&labels(&[
+                ("route", route),
+                ("method", method),
+                ("status", &status),
+            ]))
+            .inc();
+        self.http_duration
+            .get_or_create(&labels(&[("route", route)]))
+            .observe(seconds);
+    }
+
+    pub fn observe_phase(&self, phase: &str, seconds: f64) {
+        self.select_phase
+            .get_or_create(&labels(&[("phase", phase)]))
+            .observe(seconds);
+    }
+
+    pub fn count_events(&self, outcome: &ApplyOutcome) {
+        let add = |kind: &str, status: &str, n: u64| {
+            if n > 0 {
+                self.kv_events
+                    .get_or_create(&labels(&[("type", kind), ("status", status)]))
+                    .inc_by(n);
+            }
+        };
+        add("stored", "applied", outcome.stored_blocks);
+        add(
+            "stored",
+            "parent_block_not_found",
+            outcome.parent_block_not_found,
+        );
+        add(
+            "stored",
+            "engine_hash_conflict",
+            outcome.engine_hash_conflicts,
+        );
+        add("stored", "evicted_by_cap", outcome.evicted_blocks);
+        add(
+            "stored",
+            "rank_capacity_exceeded",
+            outcome.rank_capacity_exceeded,
+        );
+        add("removed", "applied", outcome.removed_blocks);
+        add("removed", "unknown_block", outcome.unknown_removed_blocks);
+        add("cleared", "applied", outcome.cleared_ranks);
+    }
+
+    /// Counts events that never reached the index (unknown worker, ignored group, bad medium).
+    pub fn count_dropped_events(&self, kind: &str, status: &str, n: u64) {
+        if n > 0 {
+            self.kv_events
+                .get_or_create(&labels(&[("type", kind), ("status", status)]))
+                .inc_by(n);
+        }
+    }
+
+    pub fn endpoint_labels(worker_id: u64, dp_rank: u32, endpoint: &str) -> Labels {
+        labels(&[
+            ("worker_id", &worker_id.to_string()),
+            ("dp_rank", &dp_rank.to_string()),
+            ("endpoint", endpoint),
+        ])
+    }
+
+    pub fn count_expired(&self, n: usize) {
+        self.expired_reservations.inc_by(n as u64);
+    }
+
+    /// Refreshes the gauges that mirror selector state, then renders the text exposition.
+    pub fn render(&self, selector: &Selector) -> String {
+        self.rank_prefill_tokens.clear();
+        self.rank_decode_blocks.clear();
+        self.rank_requests.clear();
+        for partition in selector.loads(None, None) {
+            for load in &partition.loads {
+                let l = labels(&[
+                    ("model_name", &partition.partition.model_name),
+                    ("routing_group", &partition.partition.routing_group),
+                    ("worker_id", &load.worker_id.to_string()),
+                    ("dp_rank", &load.dp_rank.to_string()),
+                ]);
+                self.rank_prefill_tokens
+                    .get_or_create(&l)
+                    .set(load.potential_prefill_tokens as i64);
+                self.rank_decode_blocks
+                    .get_or_create(&l)
+                    .set(load.potential_decode_blocks as i64);
+                self.rank_requests
+                    .get_or_create(&l)
+                    .set(load.active_requests as i64);
+            }
+        }
+        self.index_blocks.clear();
+        self.index_pairs.clear();
+        for (partition, blocks, pairs) in selector.index_sizes() {
+            let l = labels(&[
+                ("model_name", &partition.model_name),
+                ("routing_group", &partition.routing_group),
+            ]);
+            self.index_blocks.get_or_create(&l).set(blocks as i64);
+            self.index_pairs.get_or_create(&l).set(pairs as i64);
+        }
+        let (entries, bytes) = selector.pending_stats();
+        self.pending_entries.set(entries as i64);
+        self.pending_bytes.set(bytes as i64);
+        let now = selector.pending_counters();
+        {
+            let mut seen = self.pending_seen.lock();
+            for (cause, current, previous) in [
+                ("expired", now.evicted_expired, seen.evicted_expired),
+                ("entries", now.evicted_for_entries, seen.evicted_for_entries),
+                ("bytes", now.evicted_for_bytes, seen.evicted_for_bytes),
+            ] {
+                self.pending_evictions
+                    .get_or_create(&labels(&[("cause", cause)]))
+                    .inc_by(current.saturating_sub(previous));
+            }
+            *seen = now;
+        }
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}
