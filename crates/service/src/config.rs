@@ -261,7 +261,7 @@ mod tests {
 
     #[test]
     fn invalid_knobs_are_named() {
-        let bad = ServeConfig::parse_from(["kvroute", "--router-temperature", "-1"]).unwrap();
+        let bad = ServeConfig::parse_from(["kvroute", "--router-temperature=-1"]).unwrap();
         assert_eq!(
             bad.validate().unwrap_err(),
             "--router-temperature must be a finite number ≥ 0 (got -1)"

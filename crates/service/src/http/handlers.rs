@@ -59,6 +59,11 @@ pub async fn upsert_worker(
     State(state): Shared,
     StrictJson(body): StrictJson<WorkerBody>,
 ) -> AppResult {
+    if body.worker_id.is_none() {
+        return Err(ApiError::unprocessable(
+            "Failed to deserialize the JSON body into the target type: missing field `worker_id`",
+        ));
+    }
     let spec = body.into_spec()?;
     let outcome = state.selector.write().upsert_worker(spec)?;
     state.sync_listeners(&outcome.record, outcome.events_changed);

@@ -49,47 +49,47 @@ async fn body_bytes<S: Send + Sync>(req: Request, state: &S) -> Result<Bytes, Ap
     })
 }
 
-/// Parses a JSON document strictly into `T`.
+/// Parses a JSON document strictly into `T` (an object).
 pub fn parse_strict<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
-    if bytes.starts_with(&[0xEF, 0xBB, 0xBF]) {
-        return Err(ApiError::bad_request(
-            "Failed to parse the request body as JSON: a byte-order mark is not allowed",
-        ));
-    }
-    // Reject duplicate keys anywhere in the document before typed parsing (typed parsing would
-    // let a later key silently win inside maps).
-    if let Err(e) = serde_json::from_slice::<NoDuplicates>(bytes) {
-        return Err(classify(e, String::new()));
-    }
     let mut de = serde_json::Deserializer::from_slice(bytes);
     let value: T = serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let path = e.path().to_string();
         classify(e.into_inner(), path)
     })?;
     de.end().map_err(|e| classify(e, String::new()))?;
+    // Derived structs would also accept an array of their fields in order; bodies are objects.
+    let first = bytes.iter().find(|b| !b.is_ascii_whitespace());
+    if first != Some(&b'{') {
+        return Err(ApiError::unprocessable(
+            "Failed to deserialize the JSON body into the target type: expected a JSON object",
+        ));
+    }
+    // Typed parsing catches duplicate fields it knows; this catches them anywhere (in maps and
+    // ignored fields, where a later key would otherwise silently win).
+    if let Err(e) = serde_json::from_slice::<NoDuplicates>(bytes) {
+        return Err(classify(e, String::new()));
+    }
     Ok(value)
 }
 
 fn classify(e: serde_json::Error, path: String) -> ApiError {
     use serde_json::error::Category;
     let message = e.to_string();
+    let prefix = if path.is_empty() || path == "." {
+        String::new()
+    } else {
+        format!("{path}: ")
+    };
     match e.classify() {
         Category::Syntax | Category::Eof | Category::Io => ApiError::bad_request(format!(
+            "Failed to parse the request body as JSON: {prefix}{message}"
+        )),
+        Category::Data if message.starts_with("duplicate") => ApiError::bad_request(format!(
             "Failed to parse the request body as JSON: {message}"
         )),
-        Category::Data if message.starts_with("duplicate key") => ApiError::bad_request(format!(
-            "Failed to parse the request body as JSON: {message}"
+        Category::Data => ApiError::unprocessable(format!(
+            "Failed to deserialize the JSON body into the target type: {prefix}{message}"
         )),
-        Category::Data => {
-            let prefix = if path.is_empty() || path == "." {
-                String::new()
-            } else {
-                format!("{path}: ")
-            };
-            ApiError::unprocessable(format!(
-                "Failed to deserialize the JSON body into the target type: {prefix}{message}"
-            ))
-        }
     }
 }
 
@@ -209,10 +209,18 @@ mod tests {
         let dup = parse_strict::<Body>(br#"{"token_ids":[1],"token_ids":[2]}"#).unwrap_err();
         assert_eq!(dup.status, StatusCode::BAD_REQUEST);
         assert!(
-            dup.message.contains("duplicate key `token_ids`"),
+            dup.message.contains("duplicate field `token_ids`"),
             "{}",
             dup.message
         );
+        let dup_map = parse_strict::<serde_json::Value>(br#"{"a":{"k":1,"k":2}}"#).unwrap_err();
+        assert!(
+            dup_map.message.contains("duplicate key `k`"),
+            "{}",
+            dup_map.message
+        );
+        let array = parse_strict::<Body>(br#"[[1]]"#).unwrap_err();
+        assert_eq!(array.status, StatusCode::UNPROCESSABLE_ENTITY);
         let bom = parse_strict::<Body>(b"\xEF\xBB\xBF{\"token_ids\":[1]}").unwrap_err();
         assert_eq!(bom.status, StatusCode::BAD_REQUEST);
         let range = parse_strict::<Body>(br#"{"token_ids":[1,4294967296]}"#).unwrap_err();

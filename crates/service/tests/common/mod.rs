@@ -1,0 +1,97 @@
+//! Shared helpers of the service's integration tests: an in-process app driven with `oneshot`.
+#![allow(dead_code)]
+
+use axum::body::Body;
+use axum::http::{Method, Request, StatusCode};
+use http_body_util::BodyExt;
+use kvroute_service::{AppState, ServeConfig, app};
+use serde_json::Value;
+use std::sync::Arc;
+use tower::ServiceExt;
+
+pub struct TestApp {
+    pub state: Arc<AppState>,
+}
+
+pub struct Reply {
+    pub status: StatusCode,
+    pub body: Value,
+    pub text: String,
+}
+
+impl TestApp {
+    pub fn new() -> Self {
+        Self::with_config(ServeConfig::defaults())
+    }
+
+    pub fn with_config(config: ServeConfig) -> Self {
+        Self {
+            state: AppState::new(config).expect("valid config"),
+        }
+    }
+
+    pub async fn raw(
+        &self,
+        method: Method,
+        path: &str,
+        content_type: Option<&str>,
+        body: Vec<u8>,
+        headers: &[(&str, &str)],
+    ) -> Reply {
+        let mut builder = Request::builder().method(method).uri(path);
+        if let Some(ct) = content_type {
+            builder = builder.header("content-type", ct);
+        }
+        for (k, v) in headers {
+            builder = builder.header(*k, *v);
+        }
+        let request = builder.body(Body::from(body)).expect("request");
+        let response = app(Arc::clone(&self.state))
+            .oneshot(request)
+            .await
+            .expect("infallible");
+        let status = response.status();
+        let bytes = response
+            .into_body()
+            .collect()
+            .await
+            .expect("body")
+            .to_bytes();
+        let text = String::from_utf8_lossy(&bytes).to_string();
+        let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        Reply { status, body, text }
+    }
+
+    pub async fn call(&self, method: Method, path: &str, body: Option<Value>) -> Reply {
+        match body {
+            Some(b) => {
+                self.raw(
+                    method,
+                    path,
+                    Some("application/json"),
+                    serde_json::to_vec(&b).expect("json"),
+                    &[],
+                )
+                .await
+            }
+            None => self.raw(method, path, None, Vec::new(), &[]).await,
+        }
+    }
+
+    pub async fn post(&self, path: &str, body: Value) -> Reply {
+        self.call(Method::POST, path, Some(body)).await
+    }
+
+    pub async fn get(&self, path: &str) -> Reply {
+        self.call(Method::GET, path, None).await
+    }
+
+    pub async fn delete(&self, path: &str) -> Reply {
+        self.call(Method::DELETE, path, None).await
+    }
+}
+
+/// The error text of a reply.
+pub fn error_of(reply: &Reply) -> &str {
+    reply.body["error"].as_str().unwrap_or("")
+}
