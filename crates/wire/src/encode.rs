@@ -1,0 +1,260 @@
+//! Encoding batches exactly as vLLM's msgspec publisher does, for fake engines, the simulator and
+//! tests.
+//!
+//! - [`Encoding::Array`] mirrors the older `array_like=True` classes. msgspec ignores
+//!   `omit_defaults` for array-like structs (msgspec issue #720), so every field is written,
+//!   `nil` included: a `BlockStored` is always 12 elements, a `BlockRemoved` 4, and the batch 3.
+//! - [`Encoding::Map`] mirrors the newer map classes: required fields are always written (nil
+//!   included), defaulted ones (`extra_keys`, `group_idx`, `kv_cache_spec_kind`,
+//!   `kv_cache_spec_sliding_window`, the batch's `data_parallel_rank`) only when set.
+//!
+//! Keys and elements come in vLLM's declaration order.
+
+use crate::event::{EventBatch, RawEvent, RawRemoved, RawStored};
+use crate::msgpack::Writer;
+
+/// The layout of structs on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Encoding {
+    /// `["BlockStored", ...]` inside `[ts, events, dp_rank]` (vLLM before mid-2026).
+    #[default]
+    Array,
+    /// `{"type": "BlockStored", ...}` inside `{"ts": ..., "events": ..., ...}` (newer vLLM).
+    Map,
+}
+
+/// How block hashes are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HashEncoding {
+    /// As a non-negative int (vLLM with `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`: the digest's low
+    /// 64 bits), so ids above `i64::MAX` use msgpack `uint64`.
+    #[default]
+    Unsigned,
+    /// As the `i64` with the same bits (older engines that published Python `hash()` values),
+    /// so ids above `i64::MAX` are negative `int64`.
+    Signed,
+    /// As a 32-byte bin whose last 8 bytes are the id big-endian (vLLM's default: raw digest
+    /// bytes).
+    Bytes,
+}
+
+/// How to encode a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct EncodeOptions {
+    pub encoding: Encoding,
+    pub hashes: HashEncoding,
+}
+
+/// Encodes a batch into a new buffer.
+pub fn encode_batch(batch: &EventBatch, options: EncodeOptions) -> Vec<u8> {
+    let mut out = Vec::with_capacity(estimated_size(batch));
+    encode_batch_into(batch, options, &mut out);
+    out
+}
+
+/// Appends the encoding of a batch to `out` (reuse one buffer across batches).
+pub fn encode_batch_into(batch: &EventBatch, options: EncodeOptions, out: &mut Vec<u8>) {
+    let mut w = Writer::new(out);
+    match options.encoding {
+        Encoding::Array => {
+            w.array_len(3);
+            w.f64(batch.ts);
+            events(&mut w, batch, options);
+            opt_uint(&mut w, batch.data_parallel_rank.map(u64::from));
+        }
+        Encoding::Map => {
+            w.map_len(2 + usize::from(batch.data_parallel_rank.is_some()));
+            w.str("ts");
+            w.f64(batch.ts);
+            w.str("events");
+            events(&mut w, batch, options);
+            if let Some(rank) = batch.data_parallel_rank {
+                w.str("data_parallel_rank");
+                w.uint(u64::from(rank));
+            }
+        }
+    }
+}
+
+fn estimated_size(batch: &EventBatch) -> usize {
+    let per_event: usize = batch
+        .events
+        .iter()
+        .map(|e| match e {
+            RawEvent::Stored(s) => 160 + 9 * s.block_hashes.len() + 5 * s.token_ids.len(),
+            RawEvent::Removed(r) => 48 + 9 * r.block_hashes.len(),
+            RawEvent::Cleared | RawEvent::Unknown { .. } => 24,
+        })
+        .sum();
+    32 + per_event
+}
+
+fn events(w: &mut Writer<'_>, batch: &EventBatch, options: EncodeOptions) {
+    w.array_len(batch.events.len());
+    for event in &batch.events {
+        match event {
+            RawEvent::Stored(stored) => stored_event(w, stored, options),
+            RawEvent::Removed(removed) => removed_event(w, removed, options),
+            RawEvent::Cleared => tag_only(w, "AllBlocksCleared", options.encoding),
+            RawEvent::Unknown { tag } => tag_only(w, tag, options.encoding),
+        }
+    }
+}
+
+fn tag_only(w: &mut Writer<'_>, tag: &str, encoding: Encoding) {
+    match encoding {
+        Encoding::Array => w.array_len(1),
+        Encoding::Map => {
+            w.map_len(1);
+            w.str("type");
+        }
+    }
+    w.str(tag);
+}
+
+fn hash(w: &mut Writer<'_>, value: u64, hashes: HashEncoding) {
+    match hashes {
+        HashEncoding::Unsigned => w.uint(value),
+        HashEncoding::Signed => w.int(value as i64),
+        HashEncoding::Bytes => {
+            let mut digest = [0u8; 32];
+            digest[24..].copy_from_slice(&value.to_be_bytes());
+            w.bin(&digest);
+        }
+    }
+}
+
+fn hash_list(w: &mut Writer<'_>, values: &[u64], hashes: HashEncoding) {
+    w.array_len(values.len());
+    for &value in values {
+        hash(w, value, hashes);
+    }
+}
+
+fn opt_uint(w: &mut Writer<'_>, value: Option<u64>) {
+    match value {
+        Some(v) => w.uint(v),
+        None => w.nil(),
+    }
+}
+
+fn opt_str(w: &mut Writer<'_>, value: Option<&str>) {
+    match value {
+        Some(v) => w.str(v),
+        None => w.nil(),
+    }
+}
+
+/// One field writer per `BlockStored` field, in declaration order.
+fn stored_field(w: &mut Writer<'_>, s: &RawStored, index: usize, hashes: HashEncoding) {
+    match index {
+        0 => hash_list(w, &s.block_hashes, hashes),
+        1 => match s.parent_block_hash {
+            Some(parent) => hash(w, parent, hashes),
+            None => w.nil(),
+        },
+        2 => {
+            w.array_len(s.token_ids.len());
+            for &token in &s.token_ids {
+                w.uint(u64::from(token));
+            }
+        }
+        3 => w.uint(u64::from(s.block_size)),
+        4 => opt_uint(w, s.lora_id),
+        5 => opt_str(w, s.medium.as_deref()),
+        6 => opt_str(w, s.lora_name.as_deref()),
+        7 => match &s.extra_keys {
+            None => w.nil(),
+            Some(blocks) => {
+                w.array_len(blocks.len());
+                for block in blocks {
+                    match block {
+                        None => w.nil(),
+                        Some(keys) => {
+                            w.array_len(keys.len());
+                            for key in keys {
+                                w.extra_key(key);
+                            }
+                        }
+                    }
+                }
+            }
+        },
+        8 => opt_uint(w, s.group_idx.map(u64::from)),
+        9 => opt_str(w, s.kv_cache_spec_kind.as_deref()),
+        _ => opt_uint(w, s.kv_cache_spec_sliding_window),
+    }
+}
+
+const STORED_NAMES: [&str; 11] = [
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+];
+
+/// Fields 0..7 have no default in vLLM and are always written; 7.. are omitted when `None`.
+const STORED_REQUIRED: usize = 7;
+
+fn stored_event(w: &mut Writer<'_>, s: &RawStored, options: EncodeOptions) {
+    match options.encoding {
+        Encoding::Array => {
+            w.array_len(1 + STORED_NAMES.len());
+            w.str("BlockStored");
+            for index in 0..STORED_NAMES.len() {
+                stored_field(w, s, index, options.hashes);
+            }
+        }
+        Encoding::Map => {
+            let present = [
+                s.extra_keys.is_some(),
+                s.group_idx.is_some(),
+                s.kv_cache_spec_kind.is_some(),
+                s.kv_cache_spec_sliding_window.is_some(),
+            ];
+            let defaulted_present = present.iter().filter(|&&p| p).count();
+            w.map_len(1 + STORED_REQUIRED + defaulted_present);
+            w.str("type");
+            w.str("BlockStored");
+            for (index, name) in STORED_NAMES.iter().enumerate() {
+                if index >= STORED_REQUIRED && !present[index - STORED_REQUIRED] {
+                    continue;
+                }
+                w.str(name);
+                stored_field(w, s, index, options.hashes);
+            }
+        }
+    }
+}
+
+fn removed_event(w: &mut Writer<'_>, r: &RawRemoved, options: EncodeOptions) {
+    match options.encoding {
+        Encoding::Array => {
+            w.array_len(4);
+            w.str("BlockRemoved");
+            hash_list(w, &r.block_hashes, options.hashes);
+            opt_str(w, r.medium.as_deref());
+            opt_uint(w, r.group_idx.map(u64::from));
+        }
+        Encoding::Map => {
+            w.map_len(3 + usize::from(r.group_idx.is_some()));
+            w.str("type");
+            w.str("BlockRemoved");
+            w.str("block_hashes");
+            hash_list(w, &r.block_hashes, options.hashes);
+            w.str("medium");
+            opt_str(w, r.medium.as_deref());
+            if let Some(group) = r.group_idx {
+                w.str("group_idx");
+                w.uint(u64::from(group));
+            }
+        }
+    }
+}
