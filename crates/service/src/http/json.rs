@@ -51,19 +51,22 @@ async fn body_bytes<S: Send + Sync>(req: Request, state: &S) -> Result<Bytes, Ap
 
 /// Parses a JSON document strictly into `T` (an object).
 pub fn parse_strict<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    // Derived structs would also accept an array of their fields in order; bodies are objects.
+    let first = bytes.iter().find(|b| !b.is_ascii_whitespace());
+    if matches!(
+        first,
+        Some(b'[' | b'"' | b't' | b'f' | b'n' | b'-' | b'0'..=b'9')
+    ) {
+        return Err(ApiError::unprocessable(
+            "Failed to deserialize the JSON body into the target type: expected a JSON object",
+        ));
+    }
     let mut de = serde_json::Deserializer::from_slice(bytes);
     let value: T = serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let path = e.path().to_string();
         classify(e.into_inner(), path)
     })?;
     de.end().map_err(|e| classify(e, String::new()))?;
-    // Derived structs would also accept an array of their fields in order; bodies are objects.
-    let first = bytes.iter().find(|b| !b.is_ascii_whitespace());
-    if first != Some(&b'{') {
-        return Err(ApiError::unprocessable(
-            "Failed to deserialize the JSON body into the target type: expected a JSON object",
-        ));
-    }
     // Typed parsing catches duplicate fields it knows; this catches them anywhere (in maps and
     // ignored fields, where a later key would otherwise silently win).
     if let Err(e) = serde_json::from_slice::<NoDuplicates>(bytes) {

@@ -1,0 +1,733 @@
+//! The HTTP selection service end to end: the select → reserve → lifecycle flow, every error row
+//! of SPEC §7.4 with its exact status and body, bad input, authentication, limits, shutdown, and
+//! a bounded load test over a real socket on 127.0.0.1.
+
+mod common;
+
+use axum::http::{Method, StatusCode};
+use common::{RawClient, TestApp, error_of, rss_bytes};
+use kvroute_core::event::{KvEvent, StoredBlock, Tier};
+use kvroute_core::hash::{BASE_SEED, PromptHashes};
+use kvroute_service::{AppState, ServeConfig};
+use serde_json::{Value, json};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn tokens(n: u32) -> Vec<u32> {
+    (1..=n).collect()
+}
+
+fn worker(id: u64) -> Value {
+    json!({"worker_id": id, "endpoint": format!("http://worker-{id}:8000"), "block_size": 4})
+}
+
+async fn with_workers(ids: &[u64]) -> TestApp {
+    let app = TestApp::new();
+    for &id in ids {
+        let r = app.post("/workers", worker(id)).await;
+        assert_eq!(r.status, StatusCode::CREATED, "{}", r.text);
+        assert_eq!(r.body["lifecycle"], "schedulable");
+    }
+    app
+}
+
+/// Applies the prompt's full blocks as stored on a worker, as its engine's events would.
+fn store(app: &TestApp, worker_id: u64, prompt: &[u32], tier: Tier) {
+    let h = PromptHashes::from_tokens(prompt, 4, BASE_SEED);
+    let blocks = h
+        .local
+        .iter()
+        .zip(&h.sequence)
+        .map(|(&local_hash, &engine_hash)| StoredBlock {
+            engine_hash,
+            local_hash,
+        })
+        .collect();
+    app.state
+        .selector
+        .write()
+        .apply_events(
+            worker_id,
+            0,
+            &[KvEvent::Stored {
+                parent: None,
+                blocks,
+                tier,
+            }],
+        )
+        .expect("known worker");
+}
+
+fn load_of(loads: &Value, worker_id: u64) -> Value {
+    loads[0]["loads"]
+        .as_array()
+        .expect("loads")
+        .iter()
+        .find(|l| l["worker_id"] == worker_id)
+        .cloned()
+        .expect("rank listed")
+}
+
+#[tokio::test]
+async fn full_flow_select_replay_lifecycle_free() {
+    let app = with_workers(&[1, 2, 3]).await;
+    let prompt = tokens(17);
+    store(&app, 2, &prompt, Tier::Device);
+    let sel = app
+        .post(
+            "/select",
+            json!({"token_ids": prompt, "selection_id": "req-1", "expected_output_tokens": 16}),
+        )
+        .await;
+    assert_eq!(sel.status, StatusCode::OK, "{}", sel.text);
+    assert_eq!(sel.body["worker_id"], 2, "the worker holding the prefix");
+    assert_eq!(sel.body["overlap"]["gpu"], 16);
+    assert_eq!(sel.body["effective_prefill_tokens"], 1);
+    assert_eq!(sel.body["selection_id"], "req-1");
+    let loads = app.get("/loads").await.body;
+    assert_eq!(
+        load_of(&loads, 2)["active_requests"],
+        0,
+        "select books nothing"
+    );
+
+    let res = app
+        .post("/reservations", json!({"selection_id": "req-1"}))
+        .await;
+    assert_eq!(res.status, StatusCode::CREATED, "{}", res.text);
+    assert_eq!(res.body["worker_id"], 2);
+    assert_eq!(res.body["reservation_id"], "req-1");
+    let rank = load_of(&app.get("/loads").await.body, 2);
+    assert_eq!(
+        (
+            &rank["active_requests"],
+            &rank["potential_prefill_tokens"],
+            &rank["potential_decode_blocks"]
+        ),
+        (&json!(1), &json!(1), &json!(5))
+    );
+
+    let r = app
+        .post("/reservations/req-1/prefill_complete", json!({}))
+        .await;
+    assert_eq!(
+        (r.status, r.body.clone()),
+        (StatusCode::OK, json!({"status": "ok"}))
+    );
+    assert_eq!(
+        load_of(&app.get("/loads").await.body, 2)["potential_prefill_tokens"],
+        0
+    );
+    let r = app
+        .call(Method::POST, "/reservations/req-1/output_block", None)
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(
+        load_of(&app.get("/loads").await.body, 2)["potential_decode_blocks"],
+        6
+    );
+    let r = app
+        .post(
+            "/reservations/req-1/output_block",
+            json!({"decay_fraction": 0.5}),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    // round(0.5 × (5 + 2)) = 4 (half up).
+    assert_eq!(
+        load_of(&app.get("/loads").await.body, 2)["potential_decode_blocks"],
+        4
+    );
+    let r = app.delete("/reservations/req-1").await;
+    assert_eq!(r.status, StatusCode::OK);
+    let rank = load_of(&app.get("/loads").await.body, 2);
+    assert_eq!(
+        (&rank["active_requests"], &rank["potential_decode_blocks"]),
+        (&json!(0), &json!(0))
+    );
+    let again = app.delete("/reservations/req-1").await;
+    assert_eq!(again.status, StatusCode::NOT_FOUND);
+    assert_eq!(error_of(&again), "reservation req-1 not found");
+}
+
+#[tokio::test]
+async fn select_and_reserve_and_inspection_routes() {
+    let app = with_workers(&[1, 2]).await;
+    let prompt = tokens(17);
+    store(&app, 1, &prompt[..8], Tier::Device);
+    let r = app
+        .post(
+            "/select_and_reserve",
+            json!({"token_ids": prompt, "selection_id": "a"}),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert_eq!(r.body["sequence_hashes"].as_array().map(Vec::len), Some(4));
+    assert_eq!(r.body["isl_tokens"], 17);
+    assert_eq!(r.body["track_prefill_tokens"], true);
+    let scores = app
+        .post("/overlap_scores", json!({"token_ids": prompt}))
+        .await;
+    assert_eq!(scores.status, StatusCode::OK);
+    assert_eq!(scores.body["num_blocks"], 4);
+    let w1 = scores.body["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["worker_id"] == 1)
+        .cloned()
+        .unwrap();
+    assert_eq!(w1["device_blocks"], 2);
+    let potential = app
+        .post("/potential_loads", json!({"token_ids": prompt}))
+        .await;
+    assert_eq!(potential.status, StatusCode::OK);
+    assert_eq!(potential.body.as_array().map(Vec::len), Some(2));
+    let dump = app.get("/dump").await;
+    assert_eq!(dump.status, StatusCode::OK);
+    let events = &dump.body["default:default"]["events"];
+    assert_eq!(
+        events.as_array().map(Vec::len),
+        Some(2),
+        "two stored blocks"
+    );
+    let ready = app.get("/ready").await;
+    assert_eq!(
+        (ready.status, &ready.body["schedulable_workers"]),
+        (StatusCode::OK, &json!(2))
+    );
+    assert_eq!(app.get("/health").await.body, json!({"status": "ok"}));
+    let metrics = app.get("/metrics").await;
+    assert!(metrics.text.contains("kvroute_http_requests_total"));
+    assert!(metrics.text.contains("kvroute_rank_active_requests"));
+    let openapi = app.get("/openapi.json").await;
+    assert_eq!(openapi.body["openapi"], "3.0.3");
+    // Hash form with signed and unsigned hashes alike.
+    let h = PromptHashes::from_tokens(&prompt, 4, BASE_SEED);
+    let signed: Vec<i64> = h.sequence.iter().map(|&x| x as i64).collect();
+    let r = app
+        .post(
+            "/select",
+            json!({"block_hashes": h.local, "sequence_hashes": signed, "isl_tokens": 17, "pinned_worker": {"worker_id": 1}}),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert_eq!(r.body["overlap"]["gpu"], 8);
+}
+
+#[tokio::test]
+async fn every_error_row_of_the_spec() {
+    let app = with_workers(&[1]).await;
+    let p17 = tokens(17);
+    let cases: Vec<(&str, Value, u16, String)> = vec![
+        ("/reservations", json!({}), 400,
+         "include selection_id to replay a cached selection, or worker_id with the prompt for a self-contained booking".into()),
+        ("/reservations", json!({"worker_id": 1, "token_ids": p17}), 400,
+         "reservation_id or selection_id is required to name the booking".into()),
+        ("/reservations", json!({"selection_id": "nope"}), 404,
+         "no pending selection nope for model=default routing_group=default (expired, already used, or never selected); call select again or book with worker_id and the prompt".into()),
+        ("/reservations", json!({"selection_id": "x", "worker_id": 9, "token_ids": p17}), 404,
+         "schedulable worker 9 not found for model=default routing_group=default".into()),
+        ("/reservations", json!({"selection_id": "x", "worker_id": 1, "dp_rank": 3, "token_ids": p17}), 404,
+         "schedulable worker 1 not found for model=default routing_group=default".into()),
+        ("/select", json!({"model_name": "m", "token_ids": p17}), 503,
+         "no schedulable workers for model=m routing_group=default".into()),
+        ("/reservations", json!({"selection_id": "x", "worker_id": 1, "token_ids": p17, "effective_prefill_tokens": 18}), 400,
+         "effective_prefill_tokens (18) must not exceed isl_tokens (17)".into()),
+        ("/reservations/none/output_block", json!({"decay_fraction": 1.5}), 400,
+         "decay_fraction must be between 0.0 and 1.0".into()),
+        ("/select", json!({"token_ids": p17, "pinned_worker": {"worker_id": 5}}), 503,
+         "no endpoints available to route work".into()),
+        ("/select", json!({"token_ids": p17, "allowed_worker_ids": []}), 503,
+         "no endpoints available to route work".into()),
+        ("/select", json!({}), 400, "block_hashes is required without token_ids".into()),
+        ("/reservations", json!({"selection_id": "y", "worker_id": 1}), 400,
+         "sequence_hashes is required without token_ids".into()),
+        ("/select", json!({"token_ids": []}), 400, "token_ids must not be empty".into()),
+        ("/select", json!({"token_ids": p17, "selection_id": "s".repeat(1025)}), 400,
+         "selection_id must be at most 1024 bytes".into()),
+        ("/select", json!({"token_ids": p17, "model_name": "m".repeat(1025)}), 400,
+         "model_name must be at most 1024 bytes".into()),
+        ("/select", json!({"token_ids": p17, "routing_group": "g".repeat(1025)}), 400,
+         "routing_group must be at most 1024 bytes".into()),
+        ("/reservations", json!({"worker_id": 1, "token_ids": p17, "reservation_id": "r".repeat(1025)}), 400,
+         "reservation_id must be at most 1024 bytes".into()),
+        ("/select", json!({"block_hashes": [1, 2], "sequence_hashes": [1], "isl_tokens": 8}), 400,
+         "block_hashes length 2 must match sequence_hashes length 1".into()),
+        ("/select", json!({"block_hashes": [], "sequence_hashes": [], "isl_tokens": 0}), 400,
+         "isl_tokens must be greater than 0".into()),
+    ];
+    for (path, body, status, message) in cases {
+        let r = app.post(path, body.clone()).await;
+        assert_eq!(r.status.as_u16(), status, "{path} {body}: {}", r.text);
+        assert_eq!(r.body, json!({"error": message}), "{path} {body}");
+    }
+    // Duplicate live id, unknown reservation, unknown worker.
+    app.post(
+        "/select_and_reserve",
+        json!({"token_ids": p17, "selection_id": "d"}),
+    )
+    .await;
+    let r = app
+        .post(
+            "/select_and_reserve",
+            json!({"token_ids": p17, "selection_id": "d"}),
+        )
+        .await;
+    assert_eq!(
+        (r.status.as_u16(), error_of(&r)),
+        (409, "Request d already exists (assigned to worker 1)")
+    );
+    for path in [
+        "/reservations/zz/prefill_complete",
+        "/reservations/zz/output_block",
+    ] {
+        let r = app.post(path, json!({})).await;
+        assert_eq!(
+            (r.status.as_u16(), error_of(&r)),
+            (404, "reservation zz not found")
+        );
+    }
+    let r = app.delete("/reservations/zz").await;
+    assert_eq!(
+        (r.status.as_u16(), error_of(&r)),
+        (404, "reservation zz not found")
+    );
+    let r = app
+        .call(Method::PATCH, "/workers/77", Some(json!({"endpoint": "x"})))
+        .await;
+    assert_eq!(
+        (r.status.as_u16(), error_of(&r)),
+        (404, "worker 77 not found")
+    );
+    let r = app.delete("/workers/77").await;
+    assert_eq!(
+        (r.status.as_u16(), error_of(&r)),
+        (404, "worker 77 not found")
+    );
+    // Routing errors.
+    assert_eq!(error_of(&app.get("/nope").await), "route not found");
+    let r = app.get("/select").await;
+    assert_eq!(
+        (r.status.as_u16(), error_of(&r)),
+        (405, "method not allowed")
+    );
+    let r = app.delete("/workers/abc").await;
+    assert_eq!(r.status.as_u16(), 400);
+    assert!(error_of(&r).contains("worker_id path parameter `abc`"));
+    // Every route without workers: 503.
+    let empty = TestApp::new();
+    for path in [
+        "/select",
+        "/select_and_reserve",
+        "/overlap_scores",
+        "/potential_loads",
+    ] {
+        let r = empty.post(path, json!({"token_ids": p17})).await;
+        assert_eq!(
+            (r.status.as_u16(), error_of(&r)),
+            (
+                503,
+                "no schedulable workers for model=default routing_group=default"
+            ),
+            "{path}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn replay_survives_a_transient_worker_outage() {
+    let app = with_workers(&[1, 2]).await;
+    let r = app
+        .post(
+            "/select",
+            json!({"token_ids": tokens(9), "selection_id": "t", "pinned_worker": {"worker_id": 2}}),
+        )
+        .await;
+    assert_eq!(r.body["worker_id"], 2);
+    assert_eq!(app.delete("/workers/2").await.status, StatusCode::OK);
+    let r = app
+        .post("/reservations", json!({"selection_id": "t"}))
+        .await;
+    assert_eq!(
+        (r.status.as_u16(), error_of(&r)),
+        (
+            404,
+            "schedulable worker 2 not found for model=default routing_group=default"
+        )
+    );
+    app.post("/workers", worker(2)).await;
+    let r = app
+        .post("/reservations", json!({"selection_id": "t"}))
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.text);
+    assert_eq!(r.body["worker_id"], 2);
+    // Emptied partition: 503, entry kept.
+    app.post(
+        "/select",
+        json!({"token_ids": tokens(9), "selection_id": "u"}),
+    )
+    .await;
+    app.delete("/workers/1").await;
+    app.delete("/workers/2").await;
+    let r = app
+        .post("/reservations", json!({"selection_id": "u"}))
+        .await;
+    assert_eq!(r.status.as_u16(), 503);
+    app.post("/workers", worker(1)).await;
+    app.post("/workers", worker(2)).await;
+    let r = app
+        .post("/reservations", json!({"selection_id": "u"}))
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.text);
+}
+
+#[tokio::test]
+async fn bad_input_gets_a_4xx_naming_the_problem_and_the_server_keeps_serving() {
+    let app = with_workers(&[1]).await;
+    let bad: Vec<(&[u8], Option<&str>, u16, &str)> = vec![
+        (
+            b"{\"token_ids\": [1,2,",
+            Some("application/json"),
+            400,
+            "Failed to parse the request body as JSON",
+        ),
+        (
+            b"{\"token_ids\": [1]} trailing",
+            Some("application/json"),
+            400,
+            "trailing characters",
+        ),
+        (
+            b"\xEF\xBB\xBF{\"token_ids\": [1]}",
+            Some("application/json"),
+            400,
+            "Failed to parse",
+        ),
+        (
+            b"{\"token_ids\": [1], \"token_ids\": [2]}",
+            Some("application/json"),
+            400,
+            "duplicate field `token_ids`",
+        ),
+        (
+            b"{\"token_ids\": [1], \"x\": {\"a\": 1, \"a\": 2}}",
+            Some("application/json"),
+            400,
+            "duplicate key `a`",
+        ),
+        (
+            b"{\"token_ids\": \"1,2\"}",
+            Some("application/json"),
+            422,
+            "token_ids: invalid type",
+        ),
+        (
+            b"{\"token_ids\": [1, -5]}",
+            Some("application/json"),
+            422,
+            "token_ids[1]: invalid value: integer `-5`",
+        ),
+        (
+            b"{\"token_ids\": [4294967296]}",
+            Some("application/json"),
+            422,
+            "token_ids[0]",
+        ),
+        (
+            b"{\"token_ids\": [1], \"expected_output_tokens\": -1}",
+            Some("application/json"),
+            422,
+            "expected_output_tokens",
+        ),
+        (
+            b"{\"token_ids\": [1]}",
+            None,
+            415,
+            "Content-Type: application/json",
+        ),
+        (
+            b"{\"token_ids\": [1]}",
+            Some("text/plain"),
+            415,
+            "Content-Type: application/json",
+        ),
+        (
+            b"[1, 2]",
+            Some("application/json"),
+            422,
+            "expected a JSON object",
+        ),
+    ];
+    for (body, ct, status, needle) in bad {
+        let r = app
+            .raw(Method::POST, "/select", ct, body.to_vec(), &[])
+            .await;
+        assert_eq!(
+            r.status.as_u16(),
+            status,
+            "{:?}: {}",
+            String::from_utf8_lossy(body),
+            r.text
+        );
+        assert!(
+            error_of(&r).contains(needle),
+            "{needle:?} not in {}",
+            r.text
+        );
+    }
+    let r = app
+        .post("/workers", json!({"worker_id": -1, "block_size": 4}))
+        .await;
+    assert_eq!(r.status.as_u16(), 422);
+    assert!(error_of(&r).contains("worker_id"));
+    let r = app.post("/workers", json!({"endpoint": "x"})).await;
+    assert_eq!(
+        (r.status.as_u16(), error_of(&r)),
+        (
+            422,
+            "Failed to deserialize the JSON body into the target type: missing field `worker_id`"
+        )
+    );
+    let r = app
+        .post(
+            "/workers",
+            json!({"worker_id": 4, "block_size": 4294967296u64}),
+        )
+        .await;
+    assert!(error_of(&r).contains("block_size"), "{}", r.text);
+    let r = app
+        .post(
+            "/workers",
+            json!({"worker_id": 4, "kv_events_endpoints": {"x": "tcp://a:1"}}),
+        )
+        .await;
+    assert_eq!(r.status.as_u16(), 400);
+    assert!(error_of(&r).contains("kv_events_endpoints key `x`"));
+    // A bad configuration is recorded, not rejected.
+    let r = app
+        .post("/workers", json!({"worker_id": 5, "endpoint": "e", "block_size": 0, "kv_events_endpoint": "nonsense"}))
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED);
+    assert_eq!(r.body["lifecycle"], "incomplete");
+    assert_eq!(
+        r.body["not_schedulable_reasons"][0],
+        "block_size must be greater than 0"
+    );
+    // A body over the limit.
+    let huge = vec![b' '; 8 * 1024 * 1024 + 1];
+    let r = app
+        .raw(Method::POST, "/select", Some("application/json"), huge, &[])
+        .await;
+    assert_eq!(
+        (r.status.as_u16(), error_of(&r)),
+        (
+            413,
+            "Failed to buffer the request body: length limit exceeded"
+        )
+    );
+    // Still serving.
+    let r = app.post("/select", json!({"token_ids": tokens(8)})).await;
+    assert_eq!(r.status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn api_key_guards_every_route_but_health_ready_metrics() {
+    let mut config = ServeConfig::defaults();
+    config.api_key = Some("s3cret".into());
+    let app = TestApp::with_config(config);
+    for path in ["/health", "/metrics"] {
+        assert_eq!(app.get(path).await.status, StatusCode::OK, "{path}");
+    }
+    assert_eq!(
+        app.get("/ready").await.status,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    let r = app.post("/workers", worker(1)).await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    assert!(error_of(&r).contains("API key"));
+    let wrong = app
+        .raw(
+            Method::GET,
+            "/loads",
+            None,
+            Vec::new(),
+            &[("authorization", "Bearer nope")],
+        )
+        .await;
+    assert_eq!(wrong.status, StatusCode::UNAUTHORIZED);
+    let right = app
+        .raw(
+            Method::GET,
+            "/loads",
+            None,
+            Vec::new(),
+            &[("authorization", "Bearer s3cret")],
+        )
+        .await;
+    assert_eq!(right.status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn shutdown_refuses_new_work_with_503() {
+    let app = with_workers(&[1]).await;
+    app.state.begin_shutdown();
+    let r = app.post("/select", json!({"token_ids": tokens(8)})).await;
+    assert_eq!(
+        (r.status.as_u16(), error_of(&r)),
+        (503, "selection service is shutting down")
+    );
+    assert_eq!(app.get("/health").await.status, StatusCode::OK);
+    assert_eq!(
+        app.get("/ready").await.status,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+}
+
+#[tokio::test]
+async fn graceful_shutdown_over_a_real_socket() {
+    let state = AppState::new(ServeConfig::defaults()).expect("config");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(kvroute_service::http::serve(
+        Arc::clone(&state),
+        listener,
+        async move {
+            let _ = rx.await;
+        },
+    ));
+    let mut client = RawClient::connect(addr).await;
+    let (status, _) = client.request("GET", "/health", None).await;
+    assert_eq!(status, 200);
+    let (status, _) = client
+        .request("POST", "/workers", Some(worker(1).to_string().as_bytes()))
+        .await;
+    assert_eq!(status, 201);
+    tx.send(()).expect("signal");
+    let result = tokio::time::timeout(Duration::from_secs(10), server)
+        .await
+        .expect("server stops within 10 s")
+        .expect("task");
+    assert!(result.is_ok());
+    assert!(state.is_shutting_down());
+}
+
+/// A bounded load test over a real socket: 8 keep-alive connections for a fixed time run the
+/// full select → reserve → prefill_complete → free cycle. No 5xx, nothing left booked, memory
+/// flat after warm-up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bounded_load_has_no_5xx_and_flat_memory() {
+    const CONNECTIONS: usize = 8;
+    let duration = Duration::from_secs(
+        std::env::var("KVROUTE_LOAD_TEST_SECS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(8),
+    );
+    let state = AppState::new(ServeConfig::defaults()).expect("config");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(kvroute_service::http::serve(
+        Arc::clone(&state),
+        listener,
+        async move {
+            let _ = rx.await;
+        },
+    ));
+    {
+        let mut c = RawClient::connect(addr).await;
+        for id in 0..16u64 {
+            let (status, _) = c
+                .request("POST", "/workers", Some(worker(id).to_string().as_bytes()))
+                .await;
+            assert_eq!(status, 201);
+        }
+    }
+    let start = Instant::now();
+    let rss_samples = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for c in 0..CONNECTIONS {
+        let rss_samples = Arc::clone(&rss_samples);
+        tasks.push(tokio::spawn(async move {
+            let mut client = RawClient::connect(addr).await;
+            let mut counts = [0u64; 6];
+            let mut n = 0u64;
+            while start.elapsed() < duration && n < 2_000_000 {
+                n += 1;
+                let id = format!("c{c}-{n}");
+                // 64 prompt families sharing prefixes, 1,024 tokens each.
+                let family = (n % 64) as u32;
+                let prompt: Vec<u32> = (0..1024).map(|t| family * 10_000 + t).collect();
+                let body = json!({"token_ids": prompt, "selection_id": id}).to_string();
+                let steps: [(&str, String, Option<String>); 4] = [
+                    ("POST", "/select".into(), Some(body)),
+                    (
+                        "POST",
+                        "/reservations".into(),
+                        Some(json!({"selection_id": id}).to_string()),
+                    ),
+                    ("POST", format!("/reservations/{id}/prefill_complete"), None),
+                    ("DELETE", format!("/reservations/{id}"), None),
+                ];
+                for (method, path, body) in steps {
+                    let (status, _) = client
+                        .request(method, &path, body.as_deref().map(str::as_bytes))
+                        .await;
+                    counts[(status / 100) as usize] += 1;
+                }
+                if c == 0 && n % 25 == 0 {
+                    rss_samples.lock().push((start.elapsed(), rss_bytes()));
+                }
+            }
+            counts
+        }));
+    }
+    let mut totals = [0u64; 6];
+    for t in tasks {
+        let counts = t.await.expect("client");
+        for (total, c) in totals.iter_mut().zip(counts) {
+            *total += c;
+        }
+    }
+    let requests: u64 = totals.iter().sum();
+    println!(
+        "load: {requests} requests in {:.1} s over {CONNECTIONS} connections ({:.0} req/s): 2xx {}, 4xx {}, 5xx {}",
+        start.elapsed().as_secs_f64(),
+        requests as f64 / start.elapsed().as_secs_f64(),
+        totals[2],
+        totals[4],
+        totals[5]
+    );
+    assert!(requests > 100, "the load loop ran");
+    assert_eq!(totals[5], 0, "no 5xx");
+    assert_eq!(
+        totals[4], 0,
+        "no 4xx either: every replay found its selection"
+    );
+    assert!(
+        state.selector.read().load_tracker().is_empty(),
+        "every booking freed"
+    );
+    let samples = rss_samples.lock().clone();
+    if samples.len() >= 4 {
+        let warm = samples[samples.len() / 2].1;
+        let last = samples[samples.len() - 1].1;
+        println!(
+            "rss after warm-up {} MiB, at the end {} MiB",
+            warm >> 20,
+            last >> 20
+        );
+        assert!(
+            last < warm + (64 << 20),
+            "memory grew from {warm} to {last} bytes after warm-up"
+        );
+    }
+    tx.send(()).expect("signal");
+    let _ = tokio::time::timeout(Duration::from_secs(10), server).await;
+}
