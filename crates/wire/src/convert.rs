@@ -27,7 +27,11 @@ use kvroute_core::hash::{block_hash, seed_for};
 use crate::event::{EventBatch, RawEvent, RawRemoved, RawStored};
 
 /// The `kv_cache_spec_kind` values whose events feed the prefix index (SPEC §3.1).
-pub const FULL_ATTENTION_KINDS: &[&str] = &["full_attention"];
+/// SPEC §3.1 names `full_attention`; vLLM's `KVCacheSpecKind` also reports MLA (DeepSeek-style)
+/// and attention-sink models, whose KV cache is a full-prefix cache all the same. Dropping their
+/// events would leave such fleets without prefix routing, so they feed the index too.
+pub const FULL_ATTENTION_KINDS: &[&str] =
+    &["full_attention", "mla_attention", "sink_full_attention"];
 
 /// Why one event was not turned into a [`KvEvent`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -310,6 +314,8 @@ mod tests {
         assert!(!feeds_index(None, Some(1)));
         assert!(feeds_index(Some("full_attention"), Some(3)));
         assert!(!feeds_index(Some("sliding_window"), Some(0)));
+        assert!(feeds_index(Some("mla_attention"), Some(0)));
+        assert!(feeds_index(Some("sink_full_attention"), Some(2)));
         assert!(!feeds_index(Some("mamba"), None));
     }
 
