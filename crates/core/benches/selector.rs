@@ -96,6 +96,12 @@ fn bench_select(c: &mut Criterion) {
     c.bench_function("select_131072_tokens_1000_ranks", |b| {
         b.iter(|| selector.select(&request, Instant::now(), &mut rng))
     });
+    // The same select with the prompt hashed beforehand (as the HTTP edge does outside the lock).
+    let hashes = kvroute_core::hash::PromptHashes::from_tokens(&prompt, BLOCK_SIZE, BASE_SEED);
+    let prehashed = SelectRequest::new(&partition, Prompt::Hashes(&hashes));
+    c.bench_function("select_prehashed_2048_blocks_1000_ranks", |b| {
+        b.iter(|| selector.select(&prehashed, Instant::now(), &mut rng))
+    });
 
     let short: Vec<u32> = prompt[..8192].to_vec();
     let mut n = 0u64;

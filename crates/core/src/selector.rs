@@ -382,6 +382,19 @@ pub struct TickOutcome {
     pub expired_selections: usize,
 }
 
+/// Ranks with a non-zero overlap, sorted by rank for lookups by binary search (cheaper than
+/// building a hash map of up to every rank on every select).
+struct Overlaps(Vec<RankOverlap>);
+
+impl Overlaps {
+    fn get(&self, rank: &Rank) -> Option<&RankOverlap> {
+        self.0
+            .binary_search_by_key(rank, |o| o.rank)
+            .ok()
+            .map(|i| &self.0[i])
+    }
+}
+
 #[derive(Debug)]
 struct Partition {
     index: RadixIndex,
@@ -799,7 +812,7 @@ impl Selector {
     fn candidates<'w>(
         &self,
         workers: &[&'w WorkerRecord],
-        overlaps: &HashMap<Rank, RankOverlap>,
+        overlaps: &Overlaps,
         hashes: &PromptHashes,
         block_size: u32,
     ) -> Vec<(Candidate, &'w WorkerRecord)> {
@@ -832,13 +845,10 @@ impl Selector {
         out
     }
 
-    fn overlaps(p: &Partition, hashes: &PromptHashes) -> HashMap<Rank, RankOverlap> {
-        p.index
-            .find_matches(&hashes.sequence)
-            .ranks
-            .into_iter()
-            .map(|o| (o.rank, o))
-            .collect()
+    fn overlaps(p: &Partition, hashes: &PromptHashes) -> Overlaps {
+        let mut ranks = p.index.find_matches(&hashes.sequence).ranks;
+        ranks.sort_unstable_by_key(|o| o.rank);
+        Overlaps(ranks)
     }
 
     fn compute_selection(
