@@ -6,6 +6,7 @@
 //! and sockets; all routing decisions are made by [`kvroute_core::selector::Selector`], which
 //! this crate wraps in one lock ([`state::AppState`]).
 //!
+//! - [`api`]: the service's operations, transport-free (HTTP and Python call them).
 //! - [`config`]: every knob as a CLI flag and a `KVROUTE_*` environment variable, validated.
 //! - [`http`]: routes, JSON request/response types, the one error → response mapping.
 //! - [`ingest`]: per-endpoint ZMQ SUB listeners with replay, gap and restart handling.
@@ -13,6 +14,7 @@
 //! - [`state`]: the shared state and how events, requests and ticks reach the selector.
 #![forbid(unsafe_code)]
 
+pub mod api;
 pub mod config;
 pub mod http;
 pub mod ingest;

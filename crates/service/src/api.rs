@@ -1,0 +1,357 @@
+//! The selection service's operations, independent of the transport: typed request bodies in,
+//! JSON values out, failures as [`ApiError`] (status + the exact message). The HTTP handlers and
+//! the Python binding both call these, so they cannot diverge in semantics.
+
+use crate::http::error::ApiError;
+use crate::http::types::*;
+use crate::state::AppState;
+use kvroute_core::error::{Error, PartitionKey, check_id};
+use kvroute_core::event::{KvEvent, Tier};
+use kvroute_core::hash::{PromptHashes, seed_for};
+use kvroute_core::selector::{Prompt, ReservationRequest, SelectRequest, Selector};
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+pub type ApiResult = Result<Value, ApiError>;
+
+/// `{"status": "ok"}`.
+pub fn ok_status() -> Value {
+    json!({"status": "ok"})
+}
+
+// ---------------------------------------------------------------------------------------------
+// Catalog
+
+/// `POST /workers` (201).
+pub fn upsert_worker(state: &AppState, body: WorkerBody) -> ApiResult {
+    if body.worker_id.is_none() {
+        return Err(ApiError::unprocessable(
+            "Failed to deserialize the JSON body into the target type: missing field `worker_id`",
+        ));
+    }
+    let spec = body.into_spec()?;
+    let outcome = state.selector.write().upsert_worker(spec)?;
+    state.sync_listeners(&outcome.record, outcome.events_changed);
+    Ok(worker_json(&outcome.record))
+}
+
+/// `PATCH /workers/{id}`.
+pub fn patch_worker(state: &AppState, worker_id: u64, body: WorkerBody) -> ApiResult {
+    let outcome = {
+        let mut selector = state.selector.write();
+        let Some(existing) = selector.worker(worker_id) else {
+            return Err(Error::WorkerNotFound { worker_id }.into());
+        };
+        let spec = body.patch(existing.spec.clone())?;
+        selector.upsert_worker(spec)?
+    };
+    state.sync_listeners(&outcome.record, outcome.events_changed);
+    Ok(worker_json(&outcome.record))
+}
+
+/// `DELETE /workers/{id}`.
+pub fn delete_worker(state: &AppState, worker_id: u64) -> ApiResult {
+    let record = state.selector.write().delete_worker(worker_id)?;
+    state.ingest.remove_worker(worker_id);
+    Ok(worker_json(&record))
+}
+
+/// `GET /workers`.
+pub fn list_workers(
+    state: &AppState,
+    model_name: Option<&str>,
+    routing_group: Option<&str>,
+) -> Value {
+    let workers = state
+        .selector
+        .read()
+        .list_workers(model_name, routing_group);
+    Value::Array(workers.iter().map(worker_json).collect())
+}
+
+/// `GET /ready`: the body and whether the service is ready (200) or not (503).
+pub fn ready(state: &AppState) -> (bool, Value) {
+    let ready = state.selector.read().ready();
+    let is_ready = ready.ready && !state.is_shutting_down();
+    let body = json!({
+        "ready": is_ready,
+        "schedulable_workers": ready.schedulable_workers,
+        "workers": ready.workers.iter().map(worker_json).collect::<Vec<_>>(),
+    });
+    (is_ready, body)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Selection
+
+/// Hashes a token prompt with the partition's block size, outside any write lock.
+fn hash_for_partition(
+    state: &AppState,
+    key: &PartitionKey,
+    prompt: PromptInput,
+    lora_name: Option<&str>,
+    cache_salt: Option<&str>,
+) -> Result<PromptHashes, ApiError> {
+    match prompt {
+        PromptInput::Hashes(h) => Ok(h),
+        PromptInput::Tokens(tokens) => {
+            let block_size = state.selector.read().block_size_for(key)?;
+            let start = Instant::now();
+            let hashes = PromptHashes::from_tokens(
+                &tokens,
+                block_size as usize,
+                seed_for(lora_name, cache_salt),
+            );
+            state
+                .metrics
+                .observe_phase("hash", start.elapsed().as_secs_f64());
+            Ok(hashes)
+        }
+    }
+}
+
+/// `POST /select`.
+pub fn select(state: &AppState, mut body: SelectBody) -> ApiResult {
+    let key = body.key()?;
+    let mut prompt = body.take_prompt();
+    let input = prompt.resolve("block_hashes")?;
+    let overrides = body.overrides()?;
+    let hashes = hash_for_partition(
+        state,
+        &key,
+        input,
+        prompt.lora_name.as_deref(),
+        prompt.cache_salt.as_deref(),
+    )?;
+    let req = SelectRequest {
+        partition: &key,
+        selection_id: body.selection_id.as_deref(),
+        prompt: Prompt::Hashes(&hashes),
+        lora_name: prompt.lora_name.as_deref(),
+        expected_output_tokens: body.expected_output_tokens,
+        overrides,
+        pinned_worker: body.pinned(),
+        allowed_worker_ids: body.allowed_worker_ids.as_deref(),
+        advisory: body.advisory,
+    };
+    let start = Instant::now();
+    let selection = state
+        .selector
+        .read()
+        .select(&req, Instant::now(), &mut rand::rng())?;
+    state
+        .metrics
+        .observe_phase("route", start.elapsed().as_secs_f64());
+    Ok(selection_json(&selection))
+}
+
+/// `POST /select_and_reserve`.
+pub fn select_and_reserve(state: &AppState, mut body: SelectBody) -> ApiResult {
+    let key = body.key()?;
+    let mut prompt = body.take_prompt();
+    let input = prompt.resolve("block_hashes")?;
+    let overrides = body.overrides()?;
+    let hashes = hash_for_partition(
+        state,
+        &key,
+        input,
+        prompt.lora_name.as_deref(),
+        prompt.cache_salt.as_deref(),
+    )?;
+    let req = SelectRequest {
+        partition: &key,
+        selection_id: body.selection_id.as_deref(),
+        prompt: Prompt::Hashes(&hashes),
+        lora_name: prompt.lora_name.as_deref(),
+        expected_output_tokens: body.expected_output_tokens,
+        overrides,
+        pinned_worker: body.pinned(),
+        allowed_worker_ids: body.allowed_worker_ids.as_deref(),
+        advisory: false,
+    };
+    let (selection, reservation) = state.selector.write().select_and_reserve(
+        &req,
+        body.reservation_id.as_deref(),
+        Instant::now(),
+        &mut rand::rng(),
+    )?;
+    Ok(select_and_reserve_json(&selection, &reservation))
+}
+
+/// `POST /reservations` (201).
+pub fn create_reservation(state: &AppState, mut body: ReservationBody) -> ApiResult {
+    let key = body.key()?;
+    let overrides = body.overrides()?;
+    // The prompt matters only to the explicit form; a replay ignores it entirely.
+    let explicit = body.worker_id.is_some();
+    let has_prompt = body.has_prompt();
+    let mut prompt = body.take_prompt();
+    let input = if explicit && has_prompt {
+        Some(prompt.resolve("sequence_hashes")?)
+    } else {
+        None
+    };
+    let core_prompt = match &input {
+        Some(PromptInput::Tokens(tokens)) => Some(Prompt::Tokens {
+            tokens,
+            lora_name: prompt.lora_name.as_deref(),
+            cache_salt: prompt.cache_salt.as_deref(),
+        }),
+        Some(PromptInput::Hashes(h)) => Some(Prompt::Hashes(h)),
+        None => None,
+    };
+    let req = ReservationRequest {
+        partition: &key,
+        selection_id: body.selection_id.as_deref(),
+        reservation_id: body.reservation_id.as_deref(),
+        worker_id: body.worker_id,
+        dp_rank: body.dp_rank,
+        prompt: core_prompt,
+        effective_prefill_tokens: body.effective_prefill_tokens,
+        expected_output_tokens: body.expected_output_tokens,
+        track_prefill_tokens: body.track_prefill_tokens,
+        overrides,
+    };
+    let reservation = state
+        .selector
+        .write()
+        .create_reservation(&req, Instant::now())?;
+    Ok(reservation_json(&reservation))
+}
+
+fn reservation_id(raw: &str) -> Result<&str, ApiError> {
+    check_id("reservation_id", raw)?;
+    Ok(raw)
+}
+
+/// `POST /reservations/{id}/prefill_complete`.
+pub fn prefill_complete(state: &AppState, id: &str) -> ApiResult {
+    state
+        .selector
+        .write()
+        .prefill_complete(reservation_id(id)?, Instant::now())?;
+    Ok(ok_status())
+}
+
+/// `POST /reservations/{id}/output_block`.
+pub fn output_block(state: &AppState, id: &str, decay_fraction: Option<f64>) -> ApiResult {
+    state
+        .selector
+        .write()
+        .output_block(reservation_id(id)?, decay_fraction, Instant::now())?;
+    Ok(ok_status())
+}
+
+/// `DELETE /reservations/{id}`.
+pub fn free_reservation(state: &AppState, id: &str) -> ApiResult {
+    state.selector.write().free(reservation_id(id)?)?;
+    Ok(ok_status())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Inspection
+
+fn resolve_prompt_route(
+    state: &AppState,
+    body: &mut PromptRouteBody,
+) -> Result<(PartitionKey, PromptHashes), ApiError> {
+    let key = body.key()?;
+    let mut prompt = body.take_prompt();
+    let input = prompt.resolve("block_hashes")?;
+    let hashes = hash_for_partition(
+        state,
+        &key,
+        input,
+        prompt.lora_name.as_deref(),
+        prompt.cache_salt.as_deref(),
+    )?;
+    Ok((key, hashes))
+}
+
+/// `POST /overlap_scores`.
+pub fn overlap_scores(state: &AppState, mut body: PromptRouteBody) -> ApiResult {
+    let (key, hashes) = resolve_prompt_route(state, &mut body)?;
+    let scores = state
+        .selector
+        .read()
+        .overlap_scores(&key, Prompt::Hashes(&hashes))?;
+    Ok(overlap_scores_json(&scores))
+}
+
+/// `POST /potential_loads`.
+pub fn potential_loads(state: &AppState, mut body: PromptRouteBody) -> ApiResult {
+    let overrides = body.overrides()?;
+    let (key, hashes) = resolve_prompt_route(state, &mut body)?;
+    let loads = state
+        .selector
+        .read()
+        .potential_loads(&key, Prompt::Hashes(&hashes), &overrides)?;
+    Ok(json!(
+        loads.iter().map(RankLoadJson::from).collect::<Vec<_>>()
+    ))
+}
+
+/// `GET /loads`.
+pub fn loads(state: &AppState, model_name: Option<&str>, routing_group: Option<&str>) -> Value {
+    let loads = state.selector.read().loads(model_name, routing_group);
+    loads_json(&loads)
+}
+
+fn tier_name(tier: Tier) -> &'static str {
+    match tier {
+        Tier::Device => "device",
+        Tier::Host => "host_pinned",
+        Tier::Disk => "disk",
+    }
+}
+
+/// `GET /dump`: the index as Dynamo-shaped stored events, keyed `"{model}:{group}"`.
+pub fn dump_json(selector: &Selector) -> Value {
+    let mut out = BTreeMap::new();
+    let mut event_id = 0u64;
+    for partition in selector.dump() {
+        let events: Vec<Value> = partition
+            .events
+            .iter()
+            .filter_map(|(rank, event)| match event {
+                KvEvent::Stored {
+                    parent,
+                    blocks,
+                    tier,
+                } => {
+                    let id = event_id;
+                    event_id += 1;
+                    Some(json!({
+                        "worker_id": rank.worker_id,
+                        "dp_rank": rank.dp_rank,
+                        "storage_tier": tier_name(*tier),
+                        "residency_domain": "worker",
+                        "event": {
+                            "event_id": id,
+                            "data": {"stored": {
+                                "parent_hash": parent,
+                                "start_position": null,
+                                "blocks": blocks.iter().map(|b| json!({
+                                    "block_hash": b.engine_hash,
+                                    "tokens_hash": b.local_hash,
+                                    "mm_extra_info": null,
+                                })).collect::<Vec<_>>(),
+                            }},
+                            "dp_rank": rank.dp_rank,
+                        },
+                    }))
+                }
+                _ => None,
+            })
+            .collect();
+        out.insert(
+            format!(
+                "{}:{}",
+                partition.partition.model_name, partition.partition.routing_group
+            ),
+            json!({"block_size": partition.block_size, "events": events}),
+        );
+    }
+    json!(out)
+}
