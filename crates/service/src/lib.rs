@@ -7,6 +7,7 @@
 //! this crate wraps in one lock ([`state::AppState`]).
 //!
 //! - [`api`]: the service's operations, transport-free (HTTP and Python call them).
+//! - [`client`]: a minimal keep-alive HTTP/1.1 client (load generator, tests).
 //! - [`config`]: every knob as a CLI flag and a `KVROUTE_*` environment variable, validated.
 //! - [`http`]: routes, JSON request/response types, the one error → response mapping.
 //! - [`ingest`]: per-endpoint ZMQ SUB listeners with replay, gap and restart handling.
@@ -15,6 +16,7 @@
 #![forbid(unsafe_code)]
 
 pub mod api;
+pub mod client;
 pub mod config;
 pub mod http;
 pub mod ingest;

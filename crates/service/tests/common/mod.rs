@@ -96,67 +96,25 @@ pub fn error_of(reply: &Reply) -> &str {
     reply.body["error"].as_str().unwrap_or("")
 }
 
-/// A minimal HTTP/1.1 client over one keep-alive TCP connection (for the real-socket tests).
-pub struct RawClient {
-    stream: tokio::io::BufReader<tokio::net::TcpStream>,
-}
+/// A keep-alive client that panics on transport errors (tests only).
+pub struct RawClient(kvroute_service::client::HttpClient);
 
 impl RawClient {
     pub async fn connect(addr: std::net::SocketAddr) -> Self {
-        let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
-        stream.set_nodelay(true).expect("nodelay");
-        Self {
-            stream: tokio::io::BufReader::new(stream),
-        }
+        Self(
+            kvroute_service::client::HttpClient::connect(addr)
+                .await
+                .expect("connect"),
+        )
     }
 
-    /// Sends one request and reads the response: `(status, body)`.
     pub async fn request(
         &mut self,
         method: &str,
         path: &str,
         body: Option<&[u8]>,
     ) -> (u16, Vec<u8>) {
-        use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
-        let mut head = format!("{method} {path} HTTP/1.1\r\nhost: 127.0.0.1\r\n");
-        if let Some(b) = body {
-            head.push_str(&format!(
-                "content-type: application/json\r\ncontent-length: {}\r\n",
-                b.len()
-            ));
-        } else {
-            head.push_str("content-length: 0\r\n");
-        }
-        head.push_str("\r\n");
-        let stream = self.stream.get_mut();
-        stream.write_all(head.as_bytes()).await.expect("write");
-        if let Some(b) = body {
-            stream.write_all(b).await.expect("write body");
-        }
-        let mut line = String::new();
-        self.stream.read_line(&mut line).await.expect("status line");
-        let status: u16 = line
-            .split_whitespace()
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .expect("status code");
-        let mut length = 0usize;
-        loop {
-            line.clear();
-            self.stream.read_line(&mut line).await.expect("header");
-            let l = line.trim_end();
-            if l.is_empty() {
-                break;
-            }
-            if let Some((k, v)) = l.split_once(':')
-                && k.eq_ignore_ascii_case("content-length")
-            {
-                length = v.trim().parse().expect("length");
-            }
-        }
-        let mut buf = vec![0u8; length];
-        self.stream.read_exact(&mut buf).await.expect("body");
-        (status, buf)
+        self.0.request(method, path, body).await.expect("request")
     }
 }
 
