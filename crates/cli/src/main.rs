@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 mod hash_cmd;
+mod loadgen_cmd;
 mod serve_cmd;
 
 use clap::{Parser, Subcommand};
@@ -24,6 +25,8 @@ enum Command {
     Hash(hash_cmd::HashArgs),
     /// Run the HTTP selection service (Dynamo-compatible API) on 127.0.0.1:8000 by default.
     Serve(kvroute_service::ServeConfig),
+    /// Drive a selection service (kvroute or Dynamo's) in a closed loop and report latency.
+    Loadgen(loadgen_cmd::LoadgenArgs),
 }
 
 fn init_logging() {
@@ -39,6 +42,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Hash(args) => hash_cmd::run(&args),
+        Command::Loadgen(args) => loadgen_cmd::run(args),
         Command::Serve(config) => {
             init_logging();
             serve_cmd::run(config)

@@ -3,6 +3,7 @@
 //! Mooncake conversation trace), and applying `Stored` events from the same trace.
 //! Besides criterion's figures it prints lookup p50/p99 over 2,000 timed lookups and the index's
 //! bytes per (block, rank) pair.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 

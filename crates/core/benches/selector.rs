@@ -2,6 +2,7 @@
 //! schedule) against 1,000 ranks whose caches hold random-length prefixes of it plus trace
 //! chains, and the `select` → `create_reservation` (replay) → `free` cycle per request.
 //! Besides criterion's figures it prints p50/p99 over 2,000 timed selects.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 

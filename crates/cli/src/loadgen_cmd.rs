@@ -1,0 +1,402 @@
+//! `kvroute loadgen`: drives any server with the selection API (kvroute or Dynamo's) in a closed
+//! loop at a fixed concurrency for a bounded time, and reports throughput and latency per route.
+//!
+//! Per request, in `cycle` mode: `POST /select` (with a `selection_id` and token ids) →
+//! `POST /reservations` (replay) → `POST /reservations/{id}/prefill_complete` →
+//! `DELETE /reservations/{id}`; in `select` mode only the select. Prompts come from a Mooncake
+//! trace (hash ids expanded into token ids, 512 tokens per id) or a synthetic shared-prefix set.
+
+use clap::{Args, ValueEnum};
+use kvroute_service::client::HttpClient;
+use serde_json::json;
+use std::collections::BTreeMap;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Mode {
+    /// Only `POST /select`.
+    Select,
+    /// select → reservations (replay) → prefill_complete → free.
+    Cycle,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct LoadgenArgs {
+    /// Base URL of the service, e.g. http://127.0.0.1:8000.
+    #[arg(long)]
+    pub url: String,
+    /// Workers to register (ids 1..=N); 0 registers none (use the ones already there).
+    #[arg(long, default_value_t = 64)]
+    pub workers: u64,
+    /// KV-event endpoint base port: worker i is registered with tcp://127.0.0.1:(base+i) (a
+    /// service such as Dynamo's needs one to consider a worker schedulable).
+    #[arg(long)]
+    pub events_base_port: Option<u16>,
+    /// Concurrent keep-alive connections (closed loop).
+    #[arg(long, default_value_t = 32)]
+    pub concurrency: usize,
+    /// How long to run, in seconds.
+    #[arg(long, default_value_t = 20.0)]
+    pub duration_secs: f64,
+    /// Stop after this many requests (cycles) in all.
+    #[arg(long, default_value_t = 10_000_000)]
+    pub max_requests: u64,
+    #[arg(long, value_enum, default_value_t = Mode::Cycle)]
+    pub mode: Mode,
+    /// Mooncake JSONL trace to take prompts from (default: a synthetic shared-prefix set).
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Cap on prompt length in tokens.
+    #[arg(long, default_value_t = 16_384)]
+    pub max_prompt_tokens: usize,
+    /// Block size the workers are registered with.
+    #[arg(long, default_value_t = 64)]
+    pub block_size: u32,
+    /// Write the report as JSON here.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// A name for this run in the report.
+    #[arg(long, default_value = "run")]
+    pub label: String,
+}
+
+fn resolve(url: &str) -> Result<SocketAddr, String> {
+    let rest = url
+        .strip_prefix("http://")
+        .ok_or_else(|| format!("--url must start with http:// (got {url})"))?;
+    let host_port = rest.trim_end_matches('/');
+    host_port
+        .to_socket_addrs()
+        .map_err(|e| format!("cannot resolve {host_port}: {e}"))?
+        .next()
+        .ok_or_else(|| format!("{host_port} resolves to no address"))
+}
+
+/// Token ids for each prompt of a Mooncake trace: each 512-token hash id becomes 512
+/// deterministic tokens (equal ids give equal tokens), cut to `input_length` and the cap.
+fn trace_prompts(path: &PathBuf, cap: usize) -> Result<Vec<Vec<u32>>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {path:?}: {e}"))?;
+    let mut prompts = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let v: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| format!("{path:?} line {}: {e}", i + 1))?;
+        let input = v["input_length"].as_u64().unwrap_or(0) as usize;
+        let ids: Vec<u64> = v["hash_ids"]
+            .as_array()
+            .map(|a| a.iter().filter_map(serde_json::Value::as_u64).collect())
+            .unwrap_or_default();
+        let len = input.min(cap).min(ids.len() * 512);
+        let tokens: Vec<u32> = (0..len)
+            .map(|t| {
+                let id = ids[t / 512];
+                ((id * 512 + (t % 512) as u64) % 4_000_000_000) as u32
+            })
+            .collect();
+        if !tokens.is_empty() {
+            prompts.push(tokens);
+        }
+    }
+    if prompts.is_empty() {
+        return Err(format!("{path:?} has no prompts"));
+    }
+    Ok(prompts)
+}
+
+/// 64 groups sharing a 2,048-token system prompt, each request adding 512 tokens of its own.
+fn synthetic_prompts(cap: usize) -> Vec<Vec<u32>> {
+    (0..1024u32)
+        .map(|i| {
+            let group = i % 64;
+            let mut t: Vec<u32> = (0..2048).map(|k| group * 100_000 + k).collect();
+            t.extend((0..512).map(|k| 10_000_000 + i * 1000 + k));
+            t.truncate(cap);
+            t
+        })
+        .collect()
+}
+
+#[derive(Default)]
+struct Samples {
+    /// Latencies in microseconds per route.
+    routes: BTreeMap<&'static str, Vec<u32>>,
+    cycles: Vec<u32>,
+    statuses: BTreeMap<u16, u64>,
+    transport_errors: u64,
+}
+
+impl Samples {
+    fn merge(&mut self, other: Samples) {
+        for (route, mut v) in other.routes {
+            self.routes.entry(route).or_default().append(&mut v);
+        }
+        self.cycles.extend(other.cycles);
+        for (s, n) in other.statuses {
+            *self.statuses.entry(s).or_default() += n;
+        }
+        self.transport_errors += other.transport_errors;
+    }
+}
+
+fn percentile(sorted: &[u32], p: f64) -> u32 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+fn summary(v: &mut [u32], secs: f64) -> serde_json::Value {
+    v.sort_unstable();
+    json!({
+        "count": v.len(),
+        "rps": v.len() as f64 / secs,
+        "p50_us": percentile(v, 0.5),
+        "p90_us": percentile(v, 0.9),
+        "p99_us": percentile(v, 0.99),
+    })
+}
+
+async fn timed(
+    client: &mut HttpClient,
+    samples: &mut Samples,
+    route: &'static str,
+    method: &str,
+    path: &str,
+    body: Option<&[u8]>,
+) -> Option<u16> {
+    let start = Instant::now();
+    match client.request(method, path, body).await {
+        Ok((status, _)) => {
+            samples
+                .routes
+                .entry(route)
+                .or_default()
+                .push(start.elapsed().as_micros().min(u32::MAX as u128) as u32);
+            *samples.statuses.entry(status).or_default() += 1;
+            Some(status)
+        }
+        Err(_) => {
+            samples.transport_errors += 1;
+            None
+        }
+    }
+}
+
+async fn register(addr: SocketAddr, args: &LoadgenArgs) -> Result<(), String> {
+    let mut client = HttpClient::connect(addr)
+        .await
+        .map_err(|e| format!("cannot connect to {addr}: {e}"))?;
+    for id in 1..=args.workers {
+        let mut body = json!({
+            "worker_id": id,
+            "endpoint": format!("http://worker-{id}:8000"),
+            "block_size": args.block_size,
+        });
+        if let Some(base) = args.events_base_port {
+            body["kv_events_endpoint"] = json!(format!("tcp://127.0.0.1:{}", u64::from(base) + id));
+        }
+        let (status, reply) = client
+            .request("POST", "/workers", Some(body.to_string().as_bytes()))
+            .await
+            .map_err(|e| format!("registering worker {id}: {e}"))?;
+        if status != 201 && status != 200 {
+            return Err(format!(
+                "registering worker {id}: status {status}: {}",
+                String::from_utf8_lossy(&reply)
+            ));
+        }
+    }
+    Ok(())
+}
+
+async fn run_async(args: LoadgenArgs) -> Result<serde_json::Value, String> {
+    let addr = resolve(&args.url)?;
+    let prompts = match &args.trace {
+        Some(path) => trace_prompts(path, args.max_prompt_tokens)?,
+        None => synthetic_prompts(args.max_prompt_tokens),
+    };
+    // Pre-render the select bodies' token arrays so JSON encoding is not measured.
+    let bodies: Arc<Vec<String>> = Arc::new(
+        prompts
+            .iter()
+            .map(|p| serde_json::to_string(p).unwrap_or_default())
+            .collect(),
+    );
+    let mean_tokens = prompts.iter().map(Vec::len).sum::<usize>() / prompts.len();
+    register(addr, &args).await?;
+    let duration = Duration::from_secs_f64(args.duration_secs.clamp(0.1, 3600.0));
+    let counter = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for task in 0..args.concurrency.max(1) {
+        let bodies = Arc::clone(&bodies);
+        let counter = Arc::clone(&counter);
+        let label = args.label.clone();
+        let mode = args.mode;
+        let max = args.max_requests;
+        tasks.push(tokio::spawn(async move {
+            let mut samples = Samples::default();
+            let Ok(mut client) = HttpClient::connect(addr).await else {
+                samples.transport_errors += 1;
+                return samples;
+            };
+            while start.elapsed() < duration {
+                let n = counter.fetch_add(1, Ordering::Relaxed);
+                if n >= max {
+                    break;
+                }
+                let id = format!("{label}-{task}-{n}");
+                let tokens = &bodies[(n as usize) % bodies.len()];
+                let body = format!("{{\"selection_id\":\"{id}\",\"token_ids\":{tokens}}}");
+                let cycle_start = Instant::now();
+                let status = timed(
+                    &mut client,
+                    &mut samples,
+                    "select",
+                    "POST",
+                    "/select",
+                    Some(body.as_bytes()),
+                )
+                .await;
+                if mode == Mode::Cycle && status == Some(200) {
+                    let reserve = format!("{{\"selection_id\":\"{id}\"}}");
+                    let booked = timed(
+                        &mut client,
+                        &mut samples,
+                        "reservations",
+                        "POST",
+                        "/reservations",
+                        Some(reserve.as_bytes()),
+                    )
+                    .await;
+                    if booked == Some(201) {
+                        let prefill = format!("/reservations/{id}/prefill_complete");
+                        timed(
+                            &mut client,
+                            &mut samples,
+                            "prefill_complete",
+                            "POST",
+                            &prefill,
+                            Some(b"{}"),
+                        )
+                        .await;
+                        let free = format!("/reservations/{id}");
+                        timed(&mut client, &mut samples, "free", "DELETE", &free, None).await;
+                    }
+                }
+                if status.is_none() {
+                    // The connection is unusable after a transport error: reconnect.
+                    match HttpClient::connect(addr).await {
+                        Ok(c) => client = c,
+                        Err(_) => break,
+                    }
+                }
+                samples
+                    .cycles
+                    .push(cycle_start.elapsed().as_micros().min(u32::MAX as u128) as u32);
+            }
+            samples
+        }));
+    }
+    let mut all = Samples::default();
+    for t in tasks {
+        if let Ok(s) = t.await {
+            all.merge(s);
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let mut routes = serde_json::Map::new();
+    for (route, v) in all.routes.iter_mut() {
+        routes.insert((*route).to_string(), summary(v, secs));
+    }
+    let errors: u64 = all
+        .statuses
+        .iter()
+        .filter(|(s, _)| **s >= 400)
+        .map(|(_, n)| n)
+        .sum::<u64>()
+        + all.transport_errors;
+    Ok(json!({
+        "label": args.label,
+        "url": args.url,
+        "mode": format!("{:?}", args.mode).to_lowercase(),
+        "workers": args.workers,
+        "concurrency": args.concurrency,
+        "duration_s": secs,
+        "prompts": prompts.len(),
+        "mean_prompt_tokens": mean_tokens,
+        "cycles": summary(&mut all.cycles, secs),
+        "routes": routes,
+        "statuses": all.statuses.iter().map(|(s, n)| (s.to_string(), json!(n))).collect::<serde_json::Map<_, _>>(),
+        "errors": errors,
+        "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+    }))
+}
+
+fn print_table(report: &serde_json::Value) {
+    println!(
+        "{} ({} mode, {} workers, concurrency {}, {:.1} s, mean prompt {} tokens): {} errors",
+        report["label"].as_str().unwrap_or(""),
+        report["mode"].as_str().unwrap_or(""),
+        report["workers"],
+        report["concurrency"],
+        report["duration_s"].as_f64().unwrap_or(0.0),
+        report["mean_prompt_tokens"],
+        report["errors"]
+    );
+    println!(
+        "{:<18} {:>9} {:>10} {:>9} {:>9} {:>9}",
+        "route", "count", "req/s", "p50 µs", "p90 µs", "p99 µs"
+    );
+    let mut rows: Vec<(String, &serde_json::Value)> = report["routes"]
+        .as_object()
+        .map(|m| m.iter().map(|(k, v)| (k.clone(), v)).collect())
+        .unwrap_or_default();
+    rows.push(("cycle".to_string(), &report["cycles"]));
+    for (name, r) in rows {
+        println!(
+            "{:<18} {:>9} {:>10.0} {:>9} {:>9} {:>9}",
+            name,
+            r["count"],
+            r["rps"].as_f64().unwrap_or(0.0),
+            r["p50_us"],
+            r["p90_us"],
+            r["p99_us"]
+        );
+    }
+}
+
+pub fn run(args: LoadgenArgs) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kvroute loadgen: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let out = args.out.clone();
+    match runtime.block_on(run_async(args)) {
+        Ok(report) => {
+            print_table(&report);
+            if let Some(path) = out {
+                let text = serde_json::to_string_pretty(&report).unwrap_or_default();
+                if let Err(e) = std::fs::write(&path, text) {
+                    eprintln!("kvroute loadgen: cannot write {path:?}: {e}");
+                    return ExitCode::FAILURE;
+                }
+            }
+            ExitCode::SUCCESS
+        }
+        Err(message) => {
+            eprintln!("kvroute loadgen: {message}");
+            ExitCode::from(2)
+        }
+    }
+}
