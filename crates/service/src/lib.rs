@@ -18,6 +18,7 @@
 pub mod api;
 pub mod client;
 pub mod config;
+pub mod fake_engine;
 pub mod http;
 pub mod ingest;
 pub mod metrics;

@@ -1,9 +1,84 @@
-//! Live KV-event ingest (SPEC §3.1). PLACEHOLDER API — being implemented.
+//! Live KV-event ingest from engines (SPEC §3.1).
+//!
+//! Every KV-event endpoint of every schedulable worker gets one tokio task (`listener.rs`) with a
+//! ZeroMQ SUB socket connected to the engine's PUB socket, subscribed to all topics. Each live
+//! message `[topic, seq, payload]` is decoded with `kvroute-wire` and its events are handed to
+//! the [`EventSink`] (the selector) under the batch's `data_parallel_rank` when it has one (a
+//! rank the worker does not have drops the batch, counted), else under the rank the endpoint
+//! was registered for.
+//!
+//! ## The listener's state machine
+//!
+//! ```text
+//!             ┌──────────── backoff 100 ms × 2 … 5 s ◀─────────────┐
+//!             ▼                                                     │ connect failed /
+//!       CONNECTING ──connected──▶ [REPLAYING from last+1] ──▶ LIVE ─┘ peer disconnected
+//!                                                   ▲           │
+//!                                                   └── gap ────┘  (with a replay endpoint)
+//!       any state ──worker deleted / unschedulable / shutdown──▶ STOPPED
+//! ```
+//! (`kv_listener_state`: 0 connecting, 1 live, 2 replaying, 3 stopped.) One connect attempt
+//! lasts up to [`IngestConfig::connect_timeout`] (ZMQ retries a refused connection within it);
+//! the backoff resets once a connection delivered a message.
+//!
+//! Sequence numbers are tracked per endpoint ([`sequence`]); a live message with seq `s`,
+//! against `next` = last received + 1:
+//! - `s == next` (or nothing expected yet): applied (`kv_messages{status="ok"}`).
+//! - `s == next - 1`: a duplicate, dropped (`duplicate`).
+//! - `s < next - 1`: the engine restarted. Every rank this endpoint fed gets
+//!   [`KvEvent::Cleared`], `kv_engine_restarts` counts it, numbering starts over at 0 and the
+//!   message is classified again (so a restarted engine whose first messages were lost is a gap).
+//! - `s > next`: a gap. With a `replay_endpoint`, the listener connects a DEALER to it, sends
+//!   `[b"", next]` and applies the replies (`[b"", seq, payload]` or `[b"", topic, seq,
+//!   payload]`, `replayed`) until the end marker (seq `-1`), skipping those it already has
+//!   (`stale`). Meanwhile it keeps reading the SUB socket into a bounded buffer, handled after
+//!   the replay: messages the replay covered are dropped (`stale`). Without a replay endpoint
+//!   the gap is logged and the message applied.
+//! - On every (re)connect with a replay endpoint the listener first replays from `next` (0 when
+//!   nothing was seen), which also covers messages published before the subscription took effect.
+//!
+//! Each gap is counted once in `kv_sequence_gaps`, labelled with what became of it: `replayed`,
+//! `not_replayed` (no replay endpoint), `replay_timeout` (no end marker within
+//! [`IngestConfig::replay_timeout`]), `replay_failed` (endpoint unreachable or failing) or
+//! `replay_incomplete` (the engine's buffer did not reach back far enough). A replay on
+//! reconnect counts as a `replayed` gap when it delivered something, and a failed one as a
+//! possible gap.
+//!
+//! A malformed message (bad frames or an undecodable payload) is counted (`malformed`) and
+//! dropped; when its seq is readable and ahead it still counts as received, so it never triggers
+//! a replay — nor a restart, since a garbage seq cannot be trusted with clearing a rank. Events
+//! the wire conversion drops (non-full-attention groups, unknown media, block-count mismatches,
+//! unknown types) and batches naming a rank the worker does not have are counted in `kv_events`
+//! by reason. Nothing a peer sends stops a listener.
+//!
+//! ## Bounds
+//! The live buffer during a replay holds at most [`IngestConfig::max_buffered_messages`] and
+//! [`IngestConfig::max_buffered_bytes`]; beyond that new messages are dropped and show up as the
+//! next gap. A replay reads at most [`IngestConfig::max_replay_messages`] replies within
+//! [`IngestConfig::replay_timeout`]. Replies wait in a channel of fixed capacity.
+//!
+//! ## Lifecycle
+//! [`IngestManager::sync_worker`] runs after every catalog change: it starts listeners for a
+//! schedulable worker's endpoints, restarts them when its endpoints, ranks or lifecycle changed,
+//! leaves running ones alone otherwise, and stops them when the worker is not schedulable.
+//! Stopping is a watch channel each task selects on; a task ends at its next await point.
+
+mod listener;
+mod replay;
+pub mod sequence;
 
 use crate::metrics::Metrics;
+use bytes::Bytes;
 use kvroute_core::event::KvEvent;
-use kvroute_core::selector::WorkerRecord;
+use kvroute_core::selector::{Lifecycle, WorkerRecord};
+use listener::{Listener, ListenerSpec};
+use parking_lot::Mutex;
+use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+use tokio::sync::watch;
+use zeromq::ZmqMessage;
 
 /// Where decoded events go.
 pub trait EventSink: Send + Sync + 'static {
@@ -11,22 +86,208 @@ pub trait EventSink: Send + Sync + 'static {
     fn apply(&self, worker_id: u64, dp_rank: u32, events: &[KvEvent]) -> bool;
 }
 
+/// The values of the `kv_listener_state` gauge.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(i64)]
+pub enum ListenerState {
+    Connecting = 0,
+    Live = 1,
+    Replaying = 2,
+    Stopped = 3,
+}
+
+/// Timing and bounds of the listeners.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IngestConfig {
+    /// First reconnect delay; doubles per failed attempt up to `max_backoff`.
+    pub initial_backoff: Duration,
+    pub max_backoff: Duration,
+    /// How long one connect attempt may take (ZMQ retries a refused connection within it).
+    pub connect_timeout: Duration,
+    /// A replay without an end marker by then is abandoned and counted.
+    pub replay_timeout: Duration,
+    /// Replies one replay may deliver.
+    pub max_replay_messages: usize,
+    /// Live messages kept during a replay.
+    pub max_buffered_messages: usize,
+    /// Bytes of live messages kept during a replay.
+    pub max_buffered_bytes: usize,
+}
+
+impl Default for IngestConfig {
+    fn default() -> Self {
+        Self {
+            initial_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(1),
+            replay_timeout: Duration::from_secs(5),
+            // vLLM keeps 10,000 batches for replay by default.
+            max_replay_messages: 100_000,
+            max_buffered_messages: 10_000,
+            max_buffered_bytes: 64 << 20,
+        }
+    }
+}
+
+/// Frames as a ZMQ message (`None` for no frames).
+pub(crate) fn zmq_message(frames: Vec<Vec<u8>>) -> Option<ZmqMessage> {
+    ZmqMessage::try_from(frames.into_iter().map(Bytes::from).collect::<Vec<_>>()).ok()
+}
+
+/// The running listeners of one worker and what they were started for.
+struct WorkerListeners {
+    specs: Vec<ListenerSpec>,
+    stop: watch::Sender<bool>,
+}
+
+/// Starts and stops the listeners as workers come and go.
 pub struct IngestManager {
-    _sink: Arc<dyn EventSink>,
-    _metrics: Arc<Metrics>,
+    sink: Arc<dyn EventSink>,
+    metrics: Arc<Metrics>,
+    config: IngestConfig,
+    workers: Mutex<HashMap<u64, WorkerListeners>>,
+    /// Tasks started and not yet finished.
+    running: Arc<AtomicUsize>,
+    shut_down: AtomicBool,
+}
+
+/// Decrements the running-listener count when a task ends (or is dropped unstarted).
+struct RunningGuard(Arc<AtomicUsize>);
+
+impl Drop for RunningGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl IngestManager {
     pub fn new(sink: Arc<dyn EventSink>, metrics: Arc<Metrics>) -> Self {
+        Self::with_config(sink, metrics, IngestConfig::default())
+    }
+
+    pub fn with_config(
+        sink: Arc<dyn EventSink>,
+        metrics: Arc<Metrics>,
+        config: IngestConfig,
+    ) -> Self {
         Self {
-            _sink: sink,
-            _metrics: metrics,
+            sink,
+            metrics,
+            config,
+            workers: Mutex::new(HashMap::new()),
+            running: Arc::new(AtomicUsize::new(0)),
+            shut_down: AtomicBool::new(false),
         }
     }
-    pub fn sync_worker(&self, _record: &WorkerRecord, _restart: bool) {}
-    pub fn remove_worker(&self, _worker_id: u64) {}
-    pub fn shutdown(&self) {}
-    pub fn active_listeners(&self) -> usize {
-        0
+
+    /// Brings a worker's listeners in line with its record, after an upsert or patch. `restart`:
+    /// its endpoints, ranks or lifecycle changed. Must be called from inside a tokio runtime;
+    /// outside one, listeners cannot start and a warning is logged.
+    pub fn sync_worker(&self, record: &WorkerRecord, restart: bool) {
+        let worker_id = record.spec.worker_id;
+        let specs = if record.lifecycle == Lifecycle::Schedulable {
+            listener_specs(record)
+        } else {
+            Vec::new()
+        };
+        let mut workers = self.workers.lock();
+        if specs.is_empty() || self.shut_down.load(Ordering::SeqCst) {
+            if let Some(old) = workers.remove(&worker_id) {
+                self.stop(old);
+            }
+            return;
+        }
+        if !restart && workers.get(&worker_id).is_some_and(|w| w.specs == specs) {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!(
+                worker_id,
+                "KV-event listeners not started: no async runtime on this thread"
+            );
+            return;
+        };
+        if let Some(old) = workers.remove(&worker_id) {
+            self.stop(old);
+        }
+        let (stop, stop_rx) = watch::channel(false);
+        for spec in &specs {
+            let listener = Listener::new(
+                spec.clone(),
+                Arc::clone(&self.sink),
+                Arc::clone(&self.metrics),
+                self.config,
+            );
+            self.running.fetch_add(1, Ordering::SeqCst);
+            let guard = RunningGuard(Arc::clone(&self.running));
+            let stop_rx = stop_rx.clone();
+            runtime.spawn(async move {
+                let _guard = guard;
+                listener.run(stop_rx).await;
+            });
+        }
+        workers.insert(worker_id, WorkerListeners { specs, stop });
     }
+
+    /// Stops a deleted worker's listeners.
+    pub fn remove_worker(&self, worker_id: u64) {
+        let removed = self.workers.lock().remove(&worker_id);
+        if let Some(old) = removed {
+            self.stop(old);
+        }
+    }
+
+    /// Stops every listener; later [`sync_worker`](Self::sync_worker) calls start none.
+    pub fn shutdown(&self) {
+        self.shut_down.store(true, Ordering::SeqCst);
+        let all: Vec<_> = self.workers.lock().drain().map(|(_, w)| w).collect();
+        for old in all {
+            self.stop(old);
+        }
+    }
+
+    /// Listener tasks running (a stopped one counts until it has finished).
+    pub fn active_listeners(&self) -> usize {
+        self.running.load(Ordering::SeqCst)
+    }
+
+    fn stop(&self, listeners: WorkerListeners) {
+        // Receivers see the change even when the sender is dropped right after.
+        let _ = listeners.stop.send(true);
+        for spec in &listeners.specs {
+            let labels = Metrics::endpoint_labels(spec.worker_id, spec.dp_rank, &spec.endpoint);
+            self.metrics
+                .kv_listener_state
+                .get_or_create(&labels)
+                .set(ListenerState::Stopped as i64);
+        }
+    }
+}
+
+impl Drop for IngestManager {
+    fn drop(&mut self) {
+        for (_, listeners) in self.workers.get_mut().drain() {
+            let _ = listeners.stop.send(true);
+        }
+    }
+}
+
+fn listener_specs(record: &WorkerRecord) -> Vec<ListenerSpec> {
+    let replay_endpoint = record
+        .spec
+        .replay_endpoint
+        .clone()
+        .filter(|address| !address.is_empty());
+    record
+        .spec
+        .event_endpoints()
+        .into_iter()
+        .map(|(dp_rank, endpoint)| ListenerSpec {
+            worker_id: record.spec.worker_id,
+            dp_rank,
+            dp_ranks: record.spec.dp_ranks(),
+            endpoint,
+            replay_endpoint: replay_endpoint.clone(),
+        })
+        .collect()
 }
