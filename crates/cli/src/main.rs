@@ -1,6 +1,7 @@
 //! The `kvroute` binary: `serve` (the HTTP selection service), `hash`.
 #![forbid(unsafe_code)]
 
+mod fake_engine_cmd;
 mod hash_cmd;
 mod loadgen_cmd;
 mod serve_cmd;
@@ -27,6 +28,8 @@ enum Command {
     Serve(kvroute_service::ServeConfig),
     /// Drive a selection service (kvroute or Dynamo's) in a closed loop and report latency.
     Loadgen(loadgen_cmd::LoadgenArgs),
+    /// Publish KV events like a vLLM engine (ZMQ PUB on 127.0.0.1:5557 by default), for demos.
+    FakeEngine(fake_engine_cmd::FakeEngineArgs),
 }
 
 fn init_logging() {
@@ -46,6 +49,10 @@ fn main() -> ExitCode {
         Command::Serve(config) => {
             init_logging();
             serve_cmd::run(config)
+        }
+        Command::FakeEngine(args) => {
+            init_logging();
+            fake_engine_cmd::run(&args)
         }
     }
 }
