@@ -61,18 +61,94 @@ pub fn parse_strict<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
             "Failed to deserialize the JSON body into the target type: expected a JSON object",
         ));
     }
-    let mut de = serde_json::Deserializer::from_slice(bytes);
-    let value: T = serde_path_to_error::deserialize(&mut de).map_err(|e| {
-        let path = e.path().to_string();
-        classify(e.into_inner(), path)
-    })?;
-    de.end().map_err(|e| classify(e, String::new()))?;
+    let value: T = match serde_json::from_slice(bytes) {
+        Ok(value) => value,
+        // Parse again, tracking the path, only to name the offending field in the message
+        // (tracking every element of a large token array costs more than the parse itself).
+        Err(_) => {
+            let mut de = serde_json::Deserializer::from_slice(bytes);
+            let result: Result<T, _> = serde_path_to_error::deserialize(&mut de);
+            return Err(match result {
+                Err(e) => {
+                    let path = e.path().to_string();
+                    classify(e.into_inner(), path)
+                }
+                Ok(_) => match de.end() {
+                    Err(e) => classify(e, String::new()),
+                    Ok(()) => ApiError::bad_request("Failed to parse the request body as JSON"),
+                },
+            });
+        }
+    };
     // Typed parsing catches duplicate fields it knows; this catches them anywhere (in maps and
     // ignored fields, where a later key would otherwise silently win).
-    if let Err(e) = serde_json::from_slice::<NoDuplicates>(bytes) {
-        return Err(classify(e, String::new()));
+    if let Some(key) = first_duplicate_key(bytes) {
+        return Err(ApiError::bad_request(format!(
+            "Failed to parse the request body as JSON: duplicate key `{key}`"
+        )));
     }
     Ok(value)
+}
+
+/// The first key that appears twice in one object of a document already known to be valid
+/// JSON. A byte scan that skips numbers and strings without decoding them (keys are compared as
+/// written, so `"a"` and `"\u0061"` count as different).
+pub fn first_duplicate_key(bytes: &[u8]) -> Option<String> {
+    // One entry per open container: the keys seen so far for an object, `None` for an array.
+    let mut stack: Vec<Option<Vec<&[u8]>>> = Vec::new();
+    let mut expect_key = false;
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'{' => {
+                stack.push(Some(Vec::new()));
+                expect_key = true;
+            }
+            b'[' => {
+                // An array of numbers (a token list) holds no keys: jump to its end.
+                let rest = &bytes[i + 1..];
+                if let Some(end) = memchr::memchr3(b']', b'{', b'"', rest)
+                    && rest[end] == b']'
+                    && memchr::memchr(b'[', &rest[..end]).is_none()
+                {
+                    i += end + 2;
+                    expect_key = false;
+                    continue;
+                }
+                stack.push(None);
+                expect_key = false;
+            }
+            b'}' | b']' => {
+                stack.pop();
+                expect_key = false;
+            }
+            b',' => expect_key = matches!(stack.last(), Some(Some(_))),
+            b'"' => {
+                let start = i + 1;
+                i += 1;
+                while i < bytes.len() {
+                    match bytes[i] {
+                        b'\\' => i += 2,
+                        b'"' => break,
+                        _ => i += 1,
+                    }
+                }
+                let text = &bytes[start..i.min(bytes.len())];
+                if expect_key {
+                    if let Some(Some(keys)) = stack.last_mut() {
+                        if keys.contains(&text) {
+                            return Some(String::from_utf8_lossy(text).into_owned());
+                        }
+                        keys.push(text);
+                    }
+                    expect_key = false;
+                }
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    None
 }
 
 fn classify(e: serde_json::Error, path: String) -> ApiError {
@@ -139,61 +215,6 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for OptionalJson<T> {
     }
 }
 
-/// Walks any JSON document and fails on a duplicate key in any object.
-struct NoDuplicates;
-
-impl<'de> serde::Deserialize<'de> for NoDuplicates {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_any(NoDuplicatesVisitor)
-    }
-}
-
-struct NoDuplicatesVisitor;
-
-impl<'de> serde::de::Visitor<'de> for NoDuplicatesVisitor {
-    type Value = NoDuplicates;
-
-    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-        f.write_str("any JSON value")
-    }
-    fn visit_bool<E>(self, _: bool) -> Result<NoDuplicates, E> {
-        Ok(NoDuplicates)
-    }
-    fn visit_i64<E>(self, _: i64) -> Result<NoDuplicates, E> {
-        Ok(NoDuplicates)
-    }
-    fn visit_u64<E>(self, _: u64) -> Result<NoDuplicates, E> {
-        Ok(NoDuplicates)
-    }
-    fn visit_f64<E>(self, _: f64) -> Result<NoDuplicates, E> {
-        Ok(NoDuplicates)
-    }
-    fn visit_str<E>(self, _: &str) -> Result<NoDuplicates, E> {
-        Ok(NoDuplicates)
-    }
-    fn visit_unit<E>(self) -> Result<NoDuplicates, E> {
-        Ok(NoDuplicates)
-    }
-    fn visit_none<E>(self) -> Result<NoDuplicates, E> {
-        Ok(NoDuplicates)
-    }
-    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<NoDuplicates, A::Error> {
-        while seq.next_element::<NoDuplicates>()?.is_some() {}
-        Ok(NoDuplicates)
-    }
-    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<NoDuplicates, A::Error> {
-        let mut keys: Vec<String> = Vec::new();
-        while let Some(key) = map.next_key::<String>()? {
-            if keys.contains(&key) {
-                return Err(serde::de::Error::custom(format!("duplicate key `{key}`")));
-            }
-            keys.push(key);
-            map.next_value::<NoDuplicates>()?;
-        }
-        Ok(NoDuplicates)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -217,6 +238,14 @@ mod tests {
             dup.message
         );
         let dup_map = parse_strict::<serde_json::Value>(br#"{"a":{"k":1,"k":2}}"#).unwrap_err();
+        assert_eq!(
+            first_duplicate_key(br#"{"a":[{"k":"x,\"k\""},{"k":1}],"b":{}}"#),
+            None
+        );
+        assert_eq!(
+            first_duplicate_key(br#"{"a":[1,2],"b":{"c":1},"a":3}"#).as_deref(),
+            Some("a")
+        );
         assert!(
             dup_map.message.contains("duplicate key `k`"),
             "{}",
