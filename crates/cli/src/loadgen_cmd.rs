@@ -7,15 +7,20 @@
 //! trace (hash ids expanded into token ids, 512 tokens per id) or a synthetic shared-prefix set.
 
 use clap::{Args, ValueEnum};
+use kvroute_core::hash::{BASE_SEED, PromptHashes};
 use kvroute_service::client::HttpClient;
+use kvroute_service::fake_engine::FakeEngine;
+use kvroute_wire::Encoding;
 use serde_json::json;
 use std::collections::BTreeMap;
+use std::collections::{HashSet, VecDeque};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+use tokio::sync::Mutex;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Mode {
@@ -30,13 +35,25 @@ pub struct LoadgenArgs {
     /// Base URL of the service, e.g. http://127.0.0.1:8000.
     #[arg(long)]
     pub url: String,
-    /// Workers to register (ids 1..=N); 0 registers none (use the ones already there).
+    /// Workers in the fleet (ids 1..=N), registered at the start unless --skip-register.
     #[arg(long, default_value_t = 64)]
     pub workers: u64,
-    /// KV-event endpoint base port: worker i is registered with tcp://127.0.0.1:(base+i) (a
-    /// service such as Dynamo's needs one to consider a worker schedulable).
+    /// Do not register the workers (a previous run did).
+    #[arg(long, default_value_t = false)]
+    pub skip_register: bool,
+    /// KV-event endpoint base port: worker i gets a fake engine publishing on
+    /// tcp://127.0.0.1:(base+i), registered as its kv_events_endpoint. After each booking the
+    /// engine publishes the prompt's blocks as stored (evicting its oldest past
+    /// --engine-kv-blocks), so the index fills as in production.
     #[arg(long)]
     pub events_base_port: Option<u16>,
+    /// KV capacity of each fake engine, in blocks.
+    #[arg(long, default_value_t = 16_384)]
+    pub engine_kv_blocks: usize,
+    /// Fake engines also publish stored/removed events of random prompts as fast as they can
+    /// for the whole run (an event storm).
+    #[arg(long, default_value_t = false)]
+    pub event_storm: bool,
     /// Concurrent keep-alive connections (closed loop).
     #[arg(long, default_value_t = 32)]
     pub concurrency: usize,
@@ -120,6 +137,82 @@ fn synthetic_prompts(cap: usize) -> Vec<Vec<u32>> {
         .collect()
 }
 
+/// A fake engine and the blocks it holds (oldest first), to publish only new blocks under the
+/// right parent and evict like a full KV pool.
+struct Engine {
+    engine: FakeEngine,
+    held: HashSet<u64>,
+    order: VecDeque<u64>,
+    capacity: usize,
+    block_size: u32,
+}
+
+impl Engine {
+    async fn cache_prompt(&mut self, tokens: &[u32]) {
+        let hashes = PromptHashes::from_tokens(tokens, self.block_size as usize, BASE_SEED);
+        let have = hashes
+            .sequence
+            .iter()
+            .take_while(|h| self.held.contains(h))
+            .count();
+        if have == hashes.sequence.len() {
+            return;
+        }
+        let parent = have.checked_sub(1).map(|i| hashes.sequence[i]);
+        let start = have * self.block_size as usize;
+        let end = hashes.sequence.len() * self.block_size as usize;
+        if self
+            .engine
+            .publish_stored(parent, &tokens[start..end], self.block_size, None)
+            .await
+            .is_err()
+        {
+            return;
+        }
+        for &h in &hashes.sequence[have..] {
+            if self.held.insert(h) {
+                self.order.push_back(h);
+            }
+        }
+        let mut evicted = Vec::new();
+        while self.order.len() > self.capacity {
+            if let Some(h) = self.order.pop_front() {
+                self.held.remove(&h);
+                evicted.push(h);
+            }
+        }
+        if !evicted.is_empty() {
+            let _ = self.engine.publish_removed(&evicted, None).await;
+        }
+    }
+}
+
+type Engines = Arc<Vec<Mutex<Engine>>>;
+
+async fn start_engines(args: &LoadgenArgs) -> Result<Option<Engines>, String> {
+    let Some(base) = args.events_base_port else {
+        return Ok(None);
+    };
+    if args.workers == 0 {
+        return Ok(None);
+    }
+    let mut engines = Vec::new();
+    for id in 1..=args.workers {
+        let address = format!("tcp://127.0.0.1:{}", u64::from(base) + id);
+        let engine = FakeEngine::bind(&address, None, Encoding::Array)
+            .await
+            .map_err(|e| format!("fake engine for worker {id}: {e}"))?;
+        engines.push(Mutex::new(Engine {
+            engine,
+            held: HashSet::new(),
+            order: VecDeque::new(),
+            capacity: args.engine_kv_blocks.max(1),
+            block_size: args.block_size,
+        }));
+    }
+    Ok(Some(Arc::new(engines)))
+}
+
 #[derive(Default)]
 struct Samples {
     /// Latencies in microseconds per route.
@@ -187,6 +280,9 @@ async fn timed(
 }
 
 async fn register(addr: SocketAddr, args: &LoadgenArgs) -> Result<(), String> {
+    if args.skip_register {
+        return Ok(());
+    }
     let mut client = HttpClient::connect(addr)
         .await
         .map_err(|e| format!("cannot connect to {addr}: {e}"))?;
@@ -227,12 +323,47 @@ async fn run_async(args: LoadgenArgs) -> Result<serde_json::Value, String> {
             .collect(),
     );
     let mean_tokens = prompts.iter().map(Vec::len).sum::<usize>() / prompts.len();
+    let engines = start_engines(&args).await?;
     register(addr, &args).await?;
+    if let Some(engines) = &engines {
+        // Let the service's listeners connect before the first events are published.
+        for e in engines.iter() {
+            e.lock()
+                .await
+                .engine
+                .wait_for_subscribers(1, Duration::from_secs(5))
+                .await;
+        }
+    }
     let duration = Duration::from_secs_f64(args.duration_secs.clamp(0.1, 3600.0));
     let counter = Arc::new(AtomicU64::new(0));
     let start = Instant::now();
     let mut tasks = Vec::new();
+    let prompts = Arc::new(prompts);
+    let mut storm = Vec::new();
+    if let (true, Some(engines)) = (args.event_storm, &engines) {
+        for (i, _) in engines.iter().enumerate() {
+            let engines = Arc::clone(engines);
+            let prompts = Arc::clone(&prompts);
+            storm.push(tokio::spawn(async move {
+                let mut n = i;
+                while start.elapsed() < duration {
+                    // Random-looking prompts the fleet never asks for: pure index churn.
+                    let mut tokens = prompts[n % prompts.len()].clone();
+                    for t in tokens.iter_mut().take(64) {
+                        *t = t.wrapping_add(1 + (n as u32).wrapping_mul(7919));
+                    }
+                    engines[i].lock().await.cache_prompt(&tokens).await;
+                    n += engines.len();
+                    tokio::task::yield_now().await;
+                }
+                (n - i) / engines.len().max(1)
+            }));
+        }
+    }
     for task in 0..args.concurrency.max(1) {
+        let engines = engines.clone();
+        let prompts = Arc::clone(&prompts);
         let bodies = Arc::clone(&bodies);
         let counter = Arc::clone(&counter);
         let label = args.label.clone();
@@ -250,7 +381,8 @@ async fn run_async(args: LoadgenArgs) -> Result<serde_json::Value, String> {
                     break;
                 }
                 let id = format!("{label}-{task}-{n}");
-                let tokens = &bodies[(n as usize) % bodies.len()];
+                let index = (n as usize) % bodies.len();
+                let tokens = &bodies[index];
                 let body = format!("{{\"selection_id\":\"{id}\",\"token_ids\":{tokens}}}");
                 let cycle_start = Instant::now();
                 let status = timed(
@@ -264,15 +396,34 @@ async fn run_async(args: LoadgenArgs) -> Result<serde_json::Value, String> {
                 .await;
                 if mode == Mode::Cycle && status == Some(200) {
                     let reserve = format!("{{\"selection_id\":\"{id}\"}}");
-                    let booked = timed(
-                        &mut client,
-                        &mut samples,
-                        "reservations",
-                        "POST",
-                        "/reservations",
-                        Some(reserve.as_bytes()),
-                    )
-                    .await;
+                    let start_booking = Instant::now();
+                    let booked =
+                        match client
+                            .request("POST", "/reservations", Some(reserve.as_bytes()))
+                            .await
+                        {
+                            Ok((status, reply)) => {
+                                samples.routes.entry("reservations").or_default().push(
+                                    start_booking.elapsed().as_micros().min(u32::MAX as u128)
+                                        as u32,
+                                );
+                                *samples.statuses.entry(status).or_default() += 1;
+                                let worker = serde_json::from_slice::<serde_json::Value>(&reply)
+                                    .ok()
+                                    .and_then(|v| v["worker_id"].as_u64());
+                                // The engine that got the request now caches its prompt.
+                                if let (Some(engines), Some(w)) = (&engines, worker)
+                                    && let Some(engine) = engines.get((w as usize).wrapping_sub(1))
+                                {
+                                    engine.lock().await.cache_prompt(&prompts[index]).await;
+                                }
+                                Some(status)
+                            }
+                            Err(_) => {
+                                samples.transport_errors += 1;
+                                None
+                            }
+                        };
                     if booked == Some(201) {
                         let prefill = format!("/reservations/{id}/prefill_complete");
                         timed(
@@ -309,6 +460,10 @@ async fn run_async(args: LoadgenArgs) -> Result<serde_json::Value, String> {
         }
     }
     let secs = start.elapsed().as_secs_f64();
+    let mut storm_prompts = 0;
+    for t in storm {
+        storm_prompts += t.await.unwrap_or(0);
+    }
     let mut routes = serde_json::Map::new();
     for (route, v) in all.routes.iter_mut() {
         routes.insert((*route).to_string(), summary(v, secs));
@@ -333,6 +488,8 @@ async fn run_async(args: LoadgenArgs) -> Result<serde_json::Value, String> {
         "routes": routes,
         "statuses": all.statuses.iter().map(|(s, n)| (s.to_string(), json!(n))).collect::<serde_json::Map<_, _>>(),
         "errors": errors,
+        "events": args.events_base_port.is_some(),
+        "event_storm_prompts": storm_prompts,
         "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
     }))
 }

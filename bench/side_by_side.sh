@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Side-by-side benchmark: kvroute vs NVIDIA Dynamo's selection service (PyPI ai-dynamo-runtime),
+# same machine, same workload, same run, alternating A B A B.
+#
+#   bench/side_by_side.sh                 # ROUNDS=2 DURATION=20 WORKERS=64 CONCURRENCY=32
+#
+# Dynamo's service binds 0.0.0.0 with no option to change it, so both servers and the load
+# generator run inside a network namespace whose only interface is loopback (needs root). The
+# script installs its own Python dependencies into bench/.venv, writes bench/results/<date>.json
+# and prints a markdown table (also appended to BENCHMARKS.md when UPDATE_BENCHMARKS=1).
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+repo="$(cd "$here/.." && pwd)"
+cd "$repo"
+
+ROUNDS="${ROUNDS:-2}"
+DURATION="${DURATION:-20}"
+WORKERS="${WORKERS:-64}"
+CONCURRENCY="${CONCURRENCY:-32}"
+MAX_PROMPT_TOKENS="${MAX_PROMPT_TOKENS:-16384}"
+DYNAMO_VERSION="${DYNAMO_VERSION:-1.6.1}"
+NS="${NS:-kvbench}"
+DYN_PORT=18081
+KV_PORT=18082
+EVENTS_BASE=30000
+TRACE="${TRACE:-$repo/../shared/traces/mooncake/conversation_trace.jsonl}"
+venv="$here/.venv"
+stamp="$(date -u +%Y-%m-%dT%H-%M-%SZ)"
+workdir="$(mktemp -d)"
+
+echo "== building kvroute (release)"
+cargo build --release -q -p kvroute
+kvroute="$repo/target/release/kvroute"
+[ -n "${CARGO_TARGET_DIR:-}" ] && kvroute="$CARGO_TARGET_DIR/release/kvroute"
+
+echo "== installing ai-dynamo-runtime==$DYNAMO_VERSION into $venv"
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+"$venv/bin/pip" install -q "ai-dynamo-runtime==$DYNAMO_VERSION"
+
+pids=()
+created=0
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  if [ "$created" = 1 ]; then ip netns del "$NS" 2>/dev/null || true; fi
+  rm -rf "$workdir"
+}
+trap cleanup EXIT
+if ! ip netns list | grep -qw "$NS"; then ip netns add "$NS"; created=1; fi
+ip netns exec "$NS" ip link set lo up
+in_ns() { ip netns exec "$NS" "$@"; }
+
+in_ns "$venv/bin/python" -m dynamo.select_service --port "$DYN_PORT" >"$workdir/dynamo.log" 2>&1 &
+pids+=($!)
+in_ns "$kvroute" serve --port "$KV_PORT" >"$workdir/kvroute.log" 2>&1 &
+pids+=($!)
+for port in "$DYN_PORT" "$KV_PORT"; do
+  for _ in $(seq 1 100); do
+    if in_ns python3 -c "import urllib.request,sys; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=1)" 2>/dev/null; then break; fi
+    sleep 0.2
+  done
+done
+
+trace_args=()
+[ -f "$TRACE" ] && trace_args=(--trace "$TRACE")
+run() { # name port mode round register [extra loadgen flags...]
+  local name=$1 port=$2 mode=$3 round=$4 register=$5
+  shift 5
+  local skip=(--skip-register)
+  [ "$register" = 1 ] && skip=()
+  in_ns "$kvroute" loadgen --url "http://127.0.0.1:$port" --workers "$WORKERS" "${skip[@]}" \
+    --events-base-port "$EVENTS_BASE" --concurrency "$CONCURRENCY" --duration-secs "$DURATION" \
+    --mode "$mode" --max-prompt-tokens "$MAX_PROMPT_TOKENS" "${trace_args[@]}" \
+    --label "$name-$mode-r$round" --out "$workdir/$name-$mode-r$round.json" "$@" >/dev/null
+  echo "   $name $mode round $round done"
+}
+
+echo "== running $ROUNDS rounds of ${DURATION}s per server and mode (W=$WORKERS, C=$CONCURRENCY)"
+for round in $(seq 1 "$ROUNDS"); do
+  reg=0; [ "$round" = 1 ] && reg=1
+  for mode in select cycle; do
+    run dynamo "$DYN_PORT" "$mode" "$round" "$reg"
+    run kvroute "$KV_PORT" "$mode" "$round" "$reg"
+    reg=0
+  done
+done
+
+echo "== event storm: kvroute /select while every fake engine publishes as fast as it can"
+run kvroute "$KV_PORT" select storm 0 --event-storm
+run kvroute "$KV_PORT" select quiet 0
+
+out="$here/results/$stamp.json"
+python3 "$here/summarize.py" --dir "$workdir" --rounds "$ROUNDS" --out "$out" \
+  --machine "$(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(uname -m)" \
+  --dynamo-version "$DYNAMO_VERSION" ${UPDATE_BENCHMARKS:+--benchmarks "$repo/BENCHMARKS.md"}
+echo "== wrote $out"

@@ -1,0 +1,80 @@
+#!/usr/bin/env python3
+"""Turns the load generator's per-run JSON files into the side-by-side table (stdlib only)."""
+import argparse, glob, json, os, statistics, datetime
+
+p = argparse.ArgumentParser()
+p.add_argument("--dir", required=True)
+p.add_argument("--rounds", type=int, required=True)
+p.add_argument("--out", required=True)
+p.add_argument("--machine", default="")
+p.add_argument("--dynamo-version", default="")
+p.add_argument("--benchmarks")
+a = p.parse_args()
+
+runs = {}
+for f in glob.glob(os.path.join(a.dir, "*.json")):
+    r = json.load(open(f))
+    runs[r["label"]] = r
+
+rows, ratios = [], {}
+for mode in ("select", "cycle"):
+    for rnd in range(1, a.rounds + 1):
+        d, k = runs.get(f"dynamo-{mode}-r{rnd}"), runs.get(f"kvroute-{mode}-r{rnd}")
+        if not d or not k:
+            continue
+        metric = "select" if mode == "select" else None
+        dv = d["routes"]["select"] if metric else d["cycles"]
+        kv = k["routes"]["select"] if metric else k["cycles"]
+        thr = kv["rps"] / dv["rps"] if dv["rps"] else float("inf")
+        p99 = kv["p99_us"] / dv["p99_us"] if dv["p99_us"] else 0.0
+        ratios.setdefault(mode, []).append((thr, p99))
+        rows.append({
+            "mode": mode, "round": rnd,
+            "dynamo": {"rps": dv["rps"], "p50_us": dv["p50_us"], "p99_us": dv["p99_us"], "errors": d["errors"]},
+            "kvroute": {"rps": kv["rps"], "p50_us": kv["p50_us"], "p99_us": kv["p99_us"], "errors": k["errors"]},
+            "throughput_ratio": thr, "p99_ratio": p99,
+        })
+
+storm, quiet = runs.get("kvroute-select-rstorm"), runs.get("kvroute-select-rquiet")
+storm_row = None
+if storm and quiet:
+    sp, qp = storm["routes"]["select"]["p99_us"], quiet["routes"]["select"]["p99_us"]
+    storm_row = {"quiet_p99_us": qp, "storm_p99_us": sp, "ratio": sp / qp if qp else 0.0,
+                 "quiet_rps": quiet["routes"]["select"]["rps"], "storm_rps": storm["routes"]["select"]["rps"],
+                 "storm_prompts_published": storm.get("event_storm_prompts")}
+summary = {m: {"median_throughput_ratio": statistics.median(x[0] for x in v),
+               "median_p99_ratio": statistics.median(x[1] for x in v)} for m, v in ratios.items()}
+report = {
+    "date": datetime.datetime.utcnow().isoformat() + "Z",
+    "machine": a.machine, "dynamo_version": a.dynamo_version,
+    "workload": {k: runs[next(iter(runs))].get(k) for k in ("workers", "concurrency", "mean_prompt_tokens", "prompts")} if runs else {},
+    "rows": rows, "summary": summary, "event_storm": storm_row, "runs": runs,
+}
+os.makedirs(os.path.dirname(a.out), exist_ok=True)
+json.dump(report, open(a.out, "w"), indent=2)
+
+lines = [f"### {report['date'][:19]} — {a.machine}, Dynamo {a.dynamo_version}, "
+         f"W={report['workload'].get('workers')} C={report['workload'].get('concurrency')}, "
+         f"mean prompt {report['workload'].get('mean_prompt_tokens')} tokens", "",
+         "| measure | round | Dynamo req/s | kvroute req/s | ratio | Dynamo p50/p99 µs | kvroute p50/p99 µs | p99 ratio |",
+         "|---|---:|---:|---:|---:|---:|---:|---:|"]
+for r in rows:
+    name = "/select" if r["mode"] == "select" else "select→reserve→prefill→free cycle"
+    d, k = r["dynamo"], r["kvroute"]
+    lines.append(f"| {name} | {r['round']} | {d['rps']:.0f} | {k['rps']:.0f} | {r['throughput_ratio']:.2f}× | "
+                 f"{d['p50_us']}/{d['p99_us']} | {k['p50_us']}/{k['p99_us']} | {r['p99_ratio']:.2f} |")
+for m, s in summary.items():
+    name = "/select" if m == "select" else "cycle"
+    lines.append(f"| **{name} median** | | | | **{s['median_throughput_ratio']:.2f}×** | | | **{s['median_p99_ratio']:.2f}** |")
+if storm_row:
+    lines += ["", f"Event storm (kvroute /select, every fake engine publishing as fast as it can, "
+              f"{storm_row['storm_prompts_published']} prompts published): p99 {storm_row['storm_p99_us']} µs vs "
+              f"{storm_row['quiet_p99_us']} µs quiet — {storm_row['ratio']:.2f}× "
+              f"({storm_row['storm_rps']:.0f} vs {storm_row['quiet_rps']:.0f} req/s)."]
+errs = sum(r["dynamo"]["errors"] + r["kvroute"]["errors"] for r in rows)
+lines += ["", f"Errors across all runs: {errs}."]
+table = "\n".join(lines)
+print(table)
+if a.benchmarks:
+    with open(a.benchmarks, "a") as f:
+        f.write("\n" + table + "\n")
