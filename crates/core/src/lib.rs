@@ -11,12 +11,15 @@
 //! - [`index`]: the radix index of which rank holds which prompt prefix, and `find_matches`.
 //! - [`load`]: per-rank active load: bookings, prefill tokens, decode blocks, expiry (SPEC §5).
 //! - [`pending`]: the pending-selection cache (SPEC §8).
+//! - [`approx`]: approximate cache models (TTL, capacity-bounded LRU) for ranks without KV events
+//!   (SPEC §9); they return the KV events the caller applies to the index.
 //! - [`schedule`]: the cost function and the pick (SPEC §6).
 //! - [`selector`]: the select / reserve / lifecycle state machine over a catalog of partitions —
 //!   the one API the HTTP service, the Python binding and the simulator call.
 //! - [`error`]: the selector's errors, with the exact client-facing texts of SPEC §7.4.
 #![forbid(unsafe_code)]
 
+pub mod approx;
 pub mod error;
 pub mod event;
 pub mod hash;
