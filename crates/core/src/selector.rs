@@ -18,6 +18,10 @@
 //! serialised by the write lock, and the replay removes the entry in the same critical section as
 //! the booking, so they book at most once.
 
+use crate::approx::{
+    ApproxError, CachePolicy, LruConfig, LruModel, LruStats, RankModel, TtlConfig, TtlModel,
+    rank_model,
+};
 use crate::error::{Error, PartitionKey, check_id};
 use crate::event::{KvEvent, Rank, WorkerId};
 use crate::hash::{PromptHashes, seed_for};
@@ -40,8 +44,15 @@ pub struct SelectorConfig {
     pub scheduler: SchedulerConfig,
     pub pending: PendingConfig,
     pub index: IndexConfig,
-    /// A booking with no lifecycle call for this long is freed by [`Selector::tick`].
+    /// A booking with no lifecycle call for this long is freed by [`Selector::tick`]; also the
+    /// LRU model's lease-reaper scan interval.
     pub active_request_expiry: Duration,
+    /// The approximate cache model for ranks without KV events (SPEC §9).
+    pub approximate_policy: CachePolicy,
+    /// Ignore engines' KV events: every rank's cache is predicted by the approximate model.
+    pub no_kv_events: bool,
+    /// The TTL model's settings (per partition).
+    pub ttl: TtlConfig,
 }
 
 impl Default for SelectorConfig {
@@ -51,6 +62,9 @@ impl Default for SelectorConfig {
             pending: PendingConfig::default(),
             index: IndexConfig::default(),
             active_request_expiry: Duration::from_secs(300),
+            approximate_policy: CachePolicy::Ttl,
+            no_kv_events: false,
+            ttl: TtlConfig::default(),
         }
     }
 }
@@ -265,6 +279,7 @@ pub struct Selection {
     pub worker_load: Option<WorkerLoad>,
     /// Whether a booking of this selection tracks prefill tokens.
     pub track_prefill_tokens: bool,
+    pub local_hashes: Arc<[u64]>,
     pub sequence_hashes: Arc<[u64]>,
     pub isl_tokens: u64,
 }
@@ -274,6 +289,8 @@ pub struct Selection {
 pub struct PendingSelection {
     pub worker_id: WorkerId,
     pub dp_rank: u32,
+    /// Local hashes, needed to predict the cache of a rank without KV events.
+    pub local_hashes: Arc<[u64]>,
     pub sequence_hashes: Arc<[u64]>,
     pub isl_tokens: u64,
     pub effective_prefill_tokens: u64,
@@ -334,6 +351,19 @@ pub struct RankLoadReport {
     pub potential_prefill_tokens: u64,
     pub potential_decode_blocks: u64,
     pub active_requests: u64,
+    /// How the rank's cache is known (in `/loads` only).
+    pub cache_model: Option<CacheModelReport>,
+}
+
+/// How a rank's cache is known: from its engine's KV events, or predicted (SPEC §9).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheModelReport {
+    /// The engine's KV events feed the index.
+    Events,
+    /// The TTL model predicts it; `blocks` are currently predicted.
+    Ttl { blocks: u64 },
+    /// The capacity-bounded LRU model predicts it.
+    Lru(LruStats),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -399,12 +429,16 @@ impl Overlaps {
 struct Partition {
     index: RadixIndex,
     workers: BTreeSet<WorkerId>,
+    /// Predicted caches of this partition's TTL-modelled ranks.
+    ttl: TtlModel,
 }
 
 /// The selector. See the module documentation.
 #[derive(Debug)]
 pub struct Selector {
     config: SelectorConfig,
+    /// Predicted caches of LRU-modelled ranks (service-wide, like reservation ids).
+    lru: LruModel,
     workers: HashMap<WorkerId, WorkerRecord>,
     partitions: BTreeMap<PartitionKey, Partition>,
     load: LoadTracker,
@@ -470,6 +504,9 @@ impl Selector {
     pub fn new(config: SelectorConfig) -> Self {
         Self {
             config,
+            lru: LruModel::new(LruConfig {
+                scan_interval: config.active_request_expiry,
+            }),
             workers: HashMap::new(),
             partitions: BTreeMap::new(),
             load: LoadTracker::new(),
@@ -646,11 +683,13 @@ impl Selector {
             }
         }
         let index_config = self.config.index;
+        let ttl_config = self.config.ttl;
         self.partitions
             .entry(partition)
             .or_insert_with(|| Partition {
                 index: RadixIndex::new(index_config),
                 workers: BTreeSet::new(),
+                ttl: TtlModel::new(ttl_config),
             })
             .workers
             .insert(spec.worker_id);
@@ -660,6 +699,7 @@ impl Selector {
             not_schedulable_reasons: reasons,
         };
         self.workers.insert(record.spec.worker_id, record.clone());
+        self.sync_cache_models(&record, previous.as_ref(), events_changed);
         Ok(UpsertOutcome {
             record,
             events_changed,
@@ -667,13 +707,212 @@ impl Selector {
     }
 
     fn detach_from_partition(&mut self, partition: &PartitionKey, worker_id: WorkerId) {
+        let ranks: Vec<Rank> = self
+            .lru
+            .ranks()
+            .filter(|r| r.worker_id == worker_id)
+            .collect();
+        for rank in ranks {
+            self.lru.remove_rank(rank);
+        }
         if let Some(p) = self.partitions.get_mut(partition) {
+            for rank in p
+                .index
+                .ranks()
+                .into_iter()
+                .filter(|r| r.worker_id == worker_id)
+            {
+                p.ttl.remove_rank(rank);
+            }
             p.workers.remove(&worker_id);
             p.index.remove_worker(worker_id);
             if p.workers.is_empty() {
                 self.partitions.remove(partition);
             }
         }
+    }
+
+    /// Whether a worker's cache is predicted (it publishes no KV events, or events are off).
+    fn is_modelled(&self, spec: &WorkerSpec) -> bool {
+        self.config.no_kv_events || spec.event_endpoints().is_empty()
+    }
+
+    /// The model that predicts a rank's cache, or `None` when its engine's events feed the index.
+    fn model_of(&self, record: &WorkerRecord) -> Option<RankModel> {
+        (record.lifecycle == Lifecycle::Schedulable && self.is_modelled(&record.spec))
+            .then(|| rank_model(self.config.approximate_policy, record.spec.total_kv_blocks))
+    }
+
+    /// Keeps the approximate models in step with a worker's registration (SPEC §9): a rank moving
+    /// between models, or to or from KV events, starts over with an empty cache.
+    fn sync_cache_models(
+        &mut self,
+        record: &WorkerRecord,
+        previous: Option<&WorkerRecord>,
+        events_changed: bool,
+    ) {
+        let model = self.model_of(record);
+        let before = previous.and_then(|p| self.model_of(p));
+        let partition = record.spec.partition();
+        for dp_rank in record.spec.dp_ranks() {
+            let rank = Rank::new(record.spec.worker_id, dp_rank);
+            let mut events = Vec::new();
+            let kind_changed = std::mem::discriminant(&model.unwrap_or(RankModel::Ttl))
+                != std::mem::discriminant(&before.unwrap_or(RankModel::Ttl))
+                || model.is_some() != before.is_some();
+            if kind_changed && previous.is_some() {
+                events.push(KvEvent::Cleared);
+            }
+            match model {
+                Some(RankModel::Lru { capacity_blocks }) => {
+                    let reset = if events_changed && !kind_changed {
+                        self.lru.reset_rank(rank, capacity_blocks)
+                    } else {
+                        self.lru.set_rank(rank, capacity_blocks)
+                    };
+                    if let Ok(reset) = reset {
+                        events.extend(reset.events);
+                    }
+                    if let Some(p) = self.partitions.get_mut(&partition) {
+                        p.ttl.remove_rank(rank);
+                    }
+                }
+                Some(RankModel::Ttl) => {
+                    self.lru.remove_rank(rank);
+                }
+                None => {
+                    self.lru.remove_rank(rank);
+                    if let Some(p) = self.partitions.get_mut(&partition) {
+                        p.ttl.remove_rank(rank);
+                    }
+                }
+            }
+            self.apply_model_events(&partition, rank, &events);
+        }
+    }
+
+    /// Applies events an approximate model returned to the rank's partition index.
+    fn apply_model_events(&mut self, partition: &PartitionKey, rank: Rank, events: &[KvEvent]) {
+        if events.is_empty() {
+            return;
+        }
+        if let Some(p) = self.partitions.get_mut(partition) {
+            p.index.apply_all(rank, events);
+        }
+    }
+
+    /// Predicts the cache of a booked request on a rank without KV events.
+    fn model_booking(
+        &mut self,
+        reservation_id: &str,
+        rank: Rank,
+        local_hashes: &[u64],
+        sequence_hashes: &[u64],
+        isl_tokens: u64,
+        now: Instant,
+    ) {
+        let Some(record) = self.workers.get(&rank.worker_id) else {
+            return;
+        };
+        let Some(model) = self.model_of(record) else {
+            return;
+        };
+        let partition = record.spec.partition();
+        let block_size = u64::from(record.spec.block_size.unwrap_or(1).max(1));
+        let partial = !isl_tokens.is_multiple_of(block_size);
+        if let RankModel::Lru { .. } = model {
+            let mut attempt = self.lru.acquire(
+                rank,
+                reservation_id,
+                local_hashes,
+                sequence_hashes,
+                partial,
+                now,
+            );
+            if let Err(ApproxError::LeaseExists { .. }) = attempt {
+                // A lease outlived its booking (the id was freed and booked again): start over.
+                if let Some(released) = self.lru.release(reservation_id) {
+                    let lease_partition = self
+                        .workers
+                        .get(&released.rank.worker_id)
+                        .map(|r| r.spec.partition());
+                    if let Some(lp) = lease_partition {
+                        self.apply_model_events(&lp, released.rank, &released.events);
+                    }
+                }
+                attempt = self.lru.acquire(
+                    rank,
+                    reservation_id,
+                    local_hashes,
+                    sequence_hashes,
+                    partial,
+                    now,
+                );
+            }
+            match attempt {
+                Ok(acquired) => {
+                    self.apply_model_events(&partition, rank, &acquired.events);
+                    return;
+                }
+                Err(ApproxError::UnknownRank { .. }) => {}
+                Err(_) => return,
+            }
+        }
+        if let Some(p) = self.partitions.get_mut(&partition)
+            && let Ok(outcome) = p.ttl.insert(rank, local_hashes, sequence_hashes, now)
+        {
+            for (r, event) in &outcome.events {
+                p.index.apply(*r, event);
+            }
+        }
+    }
+
+    /// Ends a request's lease in the LRU model (free, expiry, worker deletion).
+    fn release_lease(&mut self, reservation_id: &str) {
+        if let Some(released) = self.lru.release(reservation_id) {
+            let partition = self
+                .workers
+                .get(&released.rank.worker_id)
+                .map(|r| r.spec.partition());
+            if let Some(p) = partition {
+                self.apply_model_events(&p, released.rank, &released.events);
+            }
+        }
+    }
+
+    /// Applies `(rank, event)` pairs from a model-wide operation to each rank's partition.
+    fn apply_ranked_events(&mut self, events: &[(Rank, KvEvent)]) {
+        for (rank, event) in events {
+            let partition = self
+                .workers
+                .get(&rank.worker_id)
+                .map(|r| r.spec.partition());
+            if let Some(p) = partition {
+                self.apply_model_events(&p, *rank, std::slice::from_ref(event));
+            }
+        }
+    }
+
+    /// How a rank's cache is known, for `/loads`.
+    pub fn cache_model(&self, rank: Rank) -> Option<CacheModelReport> {
+        let record = self.workers.get(&rank.worker_id)?;
+        Some(match self.model_of(record) {
+            None => CacheModelReport::Events,
+            Some(_) => match self.lru.stats(rank) {
+                Some(stats) => CacheModelReport::Lru(stats),
+                None => CacheModelReport::Ttl {
+                    blocks: self
+                        .partitions
+                        .get(&record.spec.partition())
+                        .map_or(0, |p| p.ttl.rank_blocks(rank) as u64),
+                },
+            },
+        })
+    }
+
+    /// Model-wide counters of the LRU model (for metrics).
+    pub fn lru_counters(&self) -> crate::approx::LruCounters {
+        self.lru.counters()
     }
 
     /// Deletes a worker: frees its bookings (their ids may be booked again), drops its blocks and
@@ -683,8 +922,11 @@ impl Selector {
         let Some(mut record) = self.workers.remove(&worker_id) else {
             return Err(Error::WorkerNotFound { worker_id });
         };
+        let freed = self.load.free_worker(worker_id);
+        for booking in &freed {
+            self.lru.release(&*booking.reservation_id);
+        }
         self.detach_from_partition(&record.spec.partition(), worker_id);
-        self.load.free_worker(worker_id);
         record.lifecycle = Lifecycle::Unschedulable;
         record.not_schedulable_reasons = Vec::new();
         Ok(record)
@@ -955,6 +1197,7 @@ impl Selector {
             potential_decode_blocks: candidate.potential_decode_blocks,
             worker_load,
             track_prefill_tokens: config.track_prefill_tokens,
+            local_hashes: Arc::from(hashes.local.as_slice()),
             sequence_hashes: Arc::from(hashes.sequence.as_slice()),
             isl_tokens: hashes.isl_tokens,
         })
@@ -971,10 +1214,13 @@ impl Selector {
         let selection = self.compute_selection(req, rng)?;
         if let Some(id) = req.selection_id {
             let key = PendingKey::new(&req.partition.model_name, &req.partition.routing_group, id);
-            let bytes = key.approximate_entry_bytes(selection.sequence_hashes.len(), req.lora_name);
+            // Local and sequence hashes are both kept.
+            let bytes =
+                key.approximate_entry_bytes(2 * selection.sequence_hashes.len(), req.lora_name);
             let entry = PendingSelection {
                 worker_id: selection.worker_id,
                 dp_rank: selection.dp_rank,
+                local_hashes: Arc::clone(&selection.local_hashes),
                 sequence_hashes: Arc::clone(&selection.sequence_hashes),
                 isl_tokens: selection.isl_tokens,
                 effective_prefill_tokens: selection.effective_prefill_tokens,
@@ -1017,6 +1263,14 @@ impl Selector {
             },
             now,
         )?;
+        self.model_booking(
+            &id,
+            Rank::new(selection.worker_id, selection.dp_rank),
+            &selection.local_hashes,
+            &selection.sequence_hashes,
+            selection.isl_tokens,
+            now,
+        );
         selection.selection_id = Some(id.clone());
         let reservation = Reservation {
             reservation_id: id.clone(),
@@ -1115,6 +1369,14 @@ impl Selector {
             now,
         )?;
         self.pending().remove(&key, generation);
+        self.model_booking(
+            &reservation_id,
+            Rank::new(entry.worker_id, dp_rank),
+            &entry.local_hashes,
+            &entry.sequence_hashes,
+            entry.isl_tokens,
+            now,
+        );
         Ok(Reservation {
             reservation_id,
             selection_id: Some(selection_id.to_string()),
@@ -1184,6 +1446,14 @@ impl Selector {
                 .unwrap_or(config.track_prefill_tokens),
         };
         self.load.book(booking, now)?;
+        self.model_booking(
+            name,
+            Rank::new(worker_id, dp_rank),
+            &hashes.local,
+            &hashes.sequence,
+            hashes.isl_tokens,
+            now,
+        );
         Ok(Reservation {
             reservation_id: name.to_string(),
             selection_id: req.selection_id.map(str::to_string),
@@ -1197,7 +1467,9 @@ impl Selector {
     pub fn prefill_complete(&mut self, reservation_id: &str, now: Instant) -> Result<(), Error> {
         self.check_running()?;
         check_id("reservation_id", reservation_id)?;
-        Ok(self.load.prefill_complete(reservation_id, now)?)
+        self.load.prefill_complete(reservation_id, now)?;
+        self.lru.touch(reservation_id, now);
+        Ok(())
     }
 
     pub fn output_block(
@@ -1208,15 +1480,25 @@ impl Selector {
     ) -> Result<(), Error> {
         self.check_running()?;
         check_id("reservation_id", reservation_id)?;
-        Ok(self
-            .load
-            .output_block(reservation_id, decay_fraction, now)?)
+        self.load
+            .output_block(reservation_id, decay_fraction, now)?;
+        if let Some(lease) = self.lru.materialize(reservation_id, now) {
+            let partition = self
+                .workers
+                .get(&lease.rank.worker_id)
+                .map(|r| r.spec.partition());
+            if let Some(p) = partition {
+                self.apply_model_events(&p, lease.rank, &lease.events);
+            }
+        }
+        Ok(())
     }
 
     pub fn free(&mut self, reservation_id: &str) -> Result<(), Error> {
         self.check_running()?;
         check_id("reservation_id", reservation_id)?;
         self.load.free(reservation_id)?;
+        self.release_lease(reservation_id);
         Ok(())
     }
 
@@ -1224,6 +1506,16 @@ impl Selector {
     /// cached selections.
     pub fn tick(&mut self, now: Instant) -> TickOutcome {
         let expired = self.load.expire(now, self.config.active_request_expiry);
+        for booking in &expired {
+            self.release_lease(&booking.reservation_id);
+        }
+        let mut ttl_events = Vec::new();
+        for p in self.partitions.values_mut() {
+            ttl_events.extend(p.ttl.expire(now).events);
+        }
+        self.apply_ranked_events(&ttl_events);
+        let reaped = self.lru.reap(now);
+        self.apply_ranked_events(&reaped.events);
         let expired_selections = self.pending().purge_expired(now);
         TickOutcome {
             expired_reservations: expired
@@ -1249,6 +1541,7 @@ impl Selector {
             potential_prefill_tokens: active_prefill_tokens,
             potential_decode_blocks: active_decode_blocks,
             active_requests,
+            cache_model: self.cache_model(rank),
         }
     }
 
@@ -1310,6 +1603,7 @@ impl Selector {
                     potential_prefill_tokens: c.active_prefill_tokens + added,
                     potential_decode_blocks: c.potential_decode_blocks,
                     active_requests: c.active_requests,
+                    cache_model: None,
                 }
             })
             .collect())

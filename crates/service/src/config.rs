@@ -241,6 +241,12 @@ impl ServeConfig {
                 max_blocks: self.max_indexed_blocks,
             },
             active_request_expiry: expiry,
+            approximate_policy: match self.approximate_cache_policy {
+                ApproximatePolicy::Ttl => kvroute_core::approx::CachePolicy::Ttl,
+                ApproximatePolicy::Lru => kvroute_core::approx::CachePolicy::Lru,
+            },
+            no_kv_events: self.no_kv_events,
+            ttl: kvroute_core::approx::TtlConfig::default(),
         })
     }
 }

@@ -52,6 +52,9 @@ pub struct Metrics {
     index_blocks: Family<Labels, Gauge>,
     index_pairs: Family<Labels, Gauge>,
     pending_seen: Mutex<PendingCounters>,
+    approx_blocks: Family<Labels, Gauge>,
+    approx_lru: Family<Labels, Counter>,
+    approx_seen: Mutex<kvroute_core::approx::LruCounters>,
 }
 
 impl Default for Metrics {
@@ -167,6 +170,18 @@ impl Metrics {
             "Indexed (block, rank) pairs per partition",
             index_pairs.clone(),
         );
+        let approx_blocks = Family::<Labels, Gauge>::default();
+        registry.register(
+            "approx_rank_blocks",
+            "Approximate cache model per rank: predicted (ttl) or resident/active/inactive/overcapacity (lru) blocks",
+            approx_blocks.clone(),
+        );
+        let approx_lru = Family::<Labels, Counter>::default();
+        registry.register(
+            "approx_lru",
+            "LRU model events: evicted blocks, reaped leases, overcapacity allocations, retired leases",
+            approx_lru.clone(),
+        );
         Self {
             registry,
             http_requests,
@@ -187,6 +202,9 @@ impl Metrics {
             index_blocks,
             index_pairs,
             pending_seen: Mutex::new(PendingCounters::default()),
+            approx_blocks,
+            approx_lru,
+            approx_seen: Mutex::new(Default::default()),
         }
     }
 
@@ -266,14 +284,39 @@ impl Metrics {
         self.rank_prefill_tokens.clear();
         self.rank_decode_blocks.clear();
         self.rank_requests.clear();
+        self.approx_blocks.clear();
         for partition in selector.loads(None, None) {
             for load in &partition.loads {
+                let worker = load.worker_id.to_string();
+                let rank = load.dp_rank.to_string();
                 let l = labels(&[
                     ("model_name", &partition.partition.model_name),
                     ("routing_group", &partition.partition.routing_group),
-                    ("worker_id", &load.worker_id.to_string()),
-                    ("dp_rank", &load.dp_rank.to_string()),
+                    ("worker_id", &worker),
+                    ("dp_rank", &rank),
                 ]);
+                let set = |policy: &str, state: &str, v: u64| {
+                    self.approx_blocks
+                        .get_or_create(&labels(&[
+                            ("worker_id", &worker),
+                            ("dp_rank", &rank),
+                            ("policy", policy),
+                            ("state", state),
+                        ]))
+                        .set(v as i64);
+                };
+                match load.cache_model {
+                    Some(kvroute_core::selector::CacheModelReport::Ttl { blocks }) => {
+                        set("ttl", "predicted", blocks)
+                    }
+                    Some(kvroute_core::selector::CacheModelReport::Lru(s)) => {
+                        set("lru", "resident", s.resident_blocks);
+                        set("lru", "active", s.active_blocks);
+                        set("lru", "inactive", s.inactive_blocks);
+                        set("lru", "overcapacity", s.overcapacity_blocks);
+                    }
+                    _ => {}
+                }
                 self.rank_prefill_tokens
                     .get_or_create(&l)
                     .set(load.potential_prefill_tokens as i64);
@@ -311,6 +354,25 @@ impl Metrics {
                     .inc_by(current.saturating_sub(previous));
             }
             *seen = now;
+        }
+        let lru = selector.lru_counters();
+        {
+            let mut seen = self.approx_seen.lock();
+            for (event, current, previous) in [
+                ("evicted_blocks", lru.evicted_blocks, seen.evicted_blocks),
+                ("reaped_leases", lru.reaped_leases, seen.reaped_leases),
+                (
+                    "overcapacity_allocations",
+                    lru.overcapacity_allocations,
+                    seen.overcapacity_allocations,
+                ),
+                ("retired_leases", lru.retired_leases, seen.retired_leases),
+            ] {
+                self.approx_lru
+                    .get_or_create(&labels(&[("event", event)]))
+                    .inc_by(current.saturating_sub(previous));
+            }
+            *seen = lru;
         }
         let mut out = String::new();
         // Writing into a String cannot fail.

@@ -153,7 +153,14 @@ async fn full_flow_select_replay_lifecycle_free() {
 
 #[tokio::test]
 async fn select_and_reserve_and_inspection_routes() {
-    let app = with_workers(&[1, 2]).await;
+    // Workers that publish KV events (nothing listens on the port: only the events this test
+    // applies count, no prediction from bookings).
+    let app = TestApp::new();
+    for id in [1u64, 2] {
+        let mut w = worker(id);
+        w["kv_events_endpoint"] = json!(format!("tcp://127.0.0.1:{}", 1 + id));
+        assert_eq!(app.post("/workers", w).await.status, StatusCode::CREATED);
+    }
     let prompt = tokens(17);
     store(&app, 1, &prompt[..8], Tier::Device);
     let r = app
@@ -731,4 +738,62 @@ async fn bounded_load_has_no_5xx_and_flat_memory() {
     }
     tx.send(()).expect("signal");
     let _ = tokio::time::timeout(Duration::from_secs(10), server).await;
+}
+
+#[tokio::test]
+async fn lru_model_over_http_credits_a_repeated_prompt_until_others_push_it_out() {
+    let mut config = ServeConfig::defaults();
+    config.approximate_cache_policy = kvroute_service::config::ApproximatePolicy::Lru;
+    let app = TestApp::with_config(config);
+    // No KV-event endpoint, a pool of 8 blocks of 4 tokens.
+    let mut w = worker(1);
+    w["total_kv_blocks"] = json!(8);
+    assert_eq!(app.post("/workers", w).await.status, StatusCode::CREATED);
+    app.post("/workers", worker(2)).await;
+    let cycle = |id: &'static str, prompt: Vec<u32>| {
+        let app = &app;
+        async move {
+            let r = app
+                .post(
+                    "/reservations",
+                    json!({"worker_id": 1, "reservation_id": id, "token_ids": prompt}),
+                )
+                .await;
+            assert_eq!(r.status, StatusCode::CREATED, "{}", r.text);
+            assert_eq!(
+                app.delete(&format!("/reservations/{id}")).await.status,
+                StatusCode::OK
+            );
+        }
+    };
+    let a = tokens(16);
+    cycle("a", a.clone()).await;
+    let sel = app.post("/select", json!({"token_ids": a})).await;
+    assert_eq!(
+        (&sel.body["worker_id"], &sel.body["overlap"]["gpu"]),
+        (&json!(1), &json!(16))
+    );
+    let loads = app.get("/loads").await.body;
+    let model = &load_of(&loads, 1)["cache_model"];
+    assert_eq!(model["policy"], "lru");
+    assert_eq!(
+        (&model["resident_blocks"], &model["inactive_blocks"]),
+        (&json!(4), &json!(4))
+    );
+    cycle("b", (100..116).collect()).await;
+    cycle("c", (200..216).collect()).await;
+    let scores = app.post("/overlap_scores", json!({"token_ids": a})).await;
+    let w1 = scores.body["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["worker_id"] == 1)
+        .cloned()
+        .unwrap();
+    assert_eq!(w1["device_blocks"], 0, "pushed out by two newer prompts");
+    let metrics = app.get("/metrics").await.text;
+    assert!(
+        metrics.contains("kvroute_approx_lru_total{event=\"evicted_blocks\"} 4"),
+        "{metrics}"
+    );
 }

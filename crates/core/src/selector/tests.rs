@@ -1,4 +1,5 @@
 use super::*;
+use crate::approx::CachePolicy;
 use crate::event::{StoredBlock, Tier};
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
@@ -752,7 +753,8 @@ fn loads_and_potential_loads_report_ceil_blocks() {
         same.potential_decode_blocks, 6,
         "shared full blocks count once"
     );
-    assert_eq!(same.potential_prefill_tokens, 34);
+    // 17 active + 1: the TTL model predicts the first 16 tokens cached there by the booking.
+    assert_eq!(same.potential_prefill_tokens, 18);
     let other = potential
         .iter()
         .find(|l| l.worker_id != sel.worker_id)
@@ -832,4 +834,128 @@ fn concurrent_replays_of_one_selection_book_exactly_once() {
         assert_eq!(successes, 1, "iteration {iteration}");
         assert_eq!(s.read().unwrap().load_tracker().len(), 1);
     }
+}
+
+fn overlap_blocks(s: &Selector, worker_id: WorkerId, prompt: &[u32]) -> u32 {
+    s.overlap_scores(&partition(), tokens_prompt(prompt))
+        .unwrap()
+        .workers
+        .iter()
+        .find(|w| w.worker_id == worker_id)
+        .map_or(0, |w| w.device_blocks)
+}
+
+fn book_and_free(s: &mut Selector, id: &str, worker_id: WorkerId, prompt: &[u32], now: Instant) {
+    let p = partition();
+    let req = ReservationRequest {
+        worker_id: Some(worker_id),
+        reservation_id: Some(id),
+        selection_id: None,
+        prompt: Some(tokens_prompt(prompt)),
+        ..ReservationRequest::replay(&p, id)
+    };
+    s.create_reservation(&req, now).unwrap();
+    s.free(id).unwrap();
+}
+
+#[test]
+fn ttl_model_credits_a_repeated_prompt_on_a_worker_without_events_until_it_expires() {
+    let mut s = selector_with(&[1, 2]);
+    let prompt = tokens(17);
+    let p = partition();
+    let now = Instant::now();
+    assert_eq!(overlap_blocks(&s, 1, &prompt), 0);
+    let (sel, _) = s
+        .select_and_reserve(&select_req(&p, &prompt, None), Some("a"), now, &mut rng())
+        .unwrap();
+    // Read-your-writes: the prediction is visible to the next request.
+    assert_eq!(overlap_blocks(&s, sel.worker_id, &prompt), 4);
+    s.free("a").unwrap();
+    let again = s
+        .select(&select_req(&p, &prompt, None), now, &mut rng())
+        .unwrap();
+    assert_eq!(
+        again.worker_id, sel.worker_id,
+        "the predicted cache attracts the prompt"
+    );
+    assert_eq!(again.overlap.gpu, 16);
+    assert!(matches!(
+        s.cache_model(Rank::new(sel.worker_id, 0)),
+        Some(CacheModelReport::Ttl { blocks: 4 })
+    ));
+    s.tick(now + Duration::from_secs(121));
+    assert_eq!(overlap_blocks(&s, sel.worker_id, &prompt), 0, "expired");
+}
+
+#[test]
+fn lru_model_keeps_a_prompt_until_other_prompts_push_it_out() {
+    let config = SelectorConfig {
+        approximate_policy: CachePolicy::Lru,
+        ..SelectorConfig::default()
+    };
+    let mut s = Selector::new(config);
+    // A pool of 8 blocks of 4 tokens.
+    s.upsert_worker(WorkerSpec {
+        total_kv_blocks: Some(8),
+        ..spec(1)
+    })
+    .unwrap();
+    let now = Instant::now();
+    let a = tokens(16);
+    book_and_free(&mut s, "a", 1, &a, now);
+    assert_eq!(overlap_blocks(&s, 1, &a), 4, "released blocks stay cached");
+    let Some(CacheModelReport::Lru(stats)) = s.cache_model(Rank::new(1, 0)) else {
+        panic!("lru model expected");
+    };
+    assert_eq!((stats.resident_blocks, stats.inactive_blocks), (4, 4));
+    let b: Vec<u32> = (100..116).collect();
+    book_and_free(&mut s, "b", 1, &b, now);
+    assert_eq!(overlap_blocks(&s, 1, &a), 4, "8 blocks fit both prompts");
+    let c: Vec<u32> = (200..216).collect();
+    book_and_free(&mut s, "c", 1, &c, now);
+    assert_eq!(
+        overlap_blocks(&s, 1, &a),
+        0,
+        "the oldest release is evicted first"
+    );
+    assert_eq!(overlap_blocks(&s, 1, &b), 4);
+    assert_eq!(overlap_blocks(&s, 1, &c), 4);
+}
+
+#[test]
+fn workers_publishing_events_are_not_modelled_unless_events_are_off() {
+    let mut s = Selector::default();
+    s.upsert_worker(WorkerSpec {
+        kv_events_endpoint: Some("tcp://127.0.0.1:5557".into()),
+        ..spec(1)
+    })
+    .unwrap();
+    let now = Instant::now();
+    let prompt = tokens(16);
+    book_and_free(&mut s, "a", 1, &prompt, now);
+    assert_eq!(
+        overlap_blocks(&s, 1, &prompt),
+        0,
+        "only the engine's events count"
+    );
+    assert_eq!(
+        s.cache_model(Rank::new(1, 0)),
+        Some(CacheModelReport::Events)
+    );
+
+    let mut off = Selector::new(SelectorConfig {
+        no_kv_events: true,
+        ..SelectorConfig::default()
+    });
+    off.upsert_worker(WorkerSpec {
+        kv_events_endpoint: Some("tcp://127.0.0.1:5557".into()),
+        ..spec(1)
+    })
+    .unwrap();
+    book_and_free(&mut off, "a", 1, &prompt, now);
+    assert_eq!(
+        overlap_blocks(&off, 1, &prompt),
+        4,
+        "--no-kv-events models every rank"
+    );
 }

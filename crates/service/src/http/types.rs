@@ -5,8 +5,8 @@ use kvroute_core::error::{Error, PartitionKey, check_id};
 use kvroute_core::hash::PromptHashes;
 use kvroute_core::schedule::Overrides;
 use kvroute_core::selector::{
-    OverlapScores, PartitionLoads, PinnedWorker, RankLoadReport, Reservation, Selection,
-    WorkerRecord, WorkerSpec,
+    CacheModelReport, OverlapScores, PartitionLoads, PinnedWorker, RankLoadReport, Reservation,
+    Selection, WorkerRecord, WorkerSpec,
 };
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::{Value, json};
@@ -484,6 +484,27 @@ pub struct RankLoadJson {
     pub potential_prefill_tokens: u64,
     pub potential_decode_blocks: u64,
     pub active_requests: u64,
+    /// How the rank's cache is known (kvroute addition, `/loads` only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cache_model: Option<Value>,
+}
+
+/// `{"policy": "events" | "ttl" | "lru", ...}` with the model's block counts.
+pub fn cache_model_json(model: &CacheModelReport) -> Value {
+    match model {
+        CacheModelReport::Events => json!({"policy": "events"}),
+        CacheModelReport::Ttl { blocks } => json!({"policy": "ttl", "predicted_blocks": blocks}),
+        CacheModelReport::Lru(s) => json!({
+            "policy": "lru",
+            "capacity_blocks": s.capacity_blocks,
+            "resident_blocks": s.resident_blocks,
+            "active_blocks": s.active_blocks,
+            "inactive_blocks": s.inactive_blocks,
+            "overcapacity_blocks": s.overcapacity_blocks,
+            "indexed_blocks": s.indexed_blocks,
+            "leases": s.leases,
+        }),
+    }
 }
 
 impl From<&RankLoadReport> for RankLoadJson {
@@ -494,6 +515,7 @@ impl From<&RankLoadReport> for RankLoadJson {
             potential_prefill_tokens: r.potential_prefill_tokens,
             potential_decode_blocks: r.potential_decode_blocks,
             active_requests: r.active_requests,
+            cache_model: r.cache_model.as_ref().map(cache_model_json),
         }
     }
 }
