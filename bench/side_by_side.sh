@@ -40,7 +40,8 @@ echo "== installing ai-dynamo-runtime==$DYNAMO_VERSION into $venv"
 pids=()
 created=0
 cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  # `ip netns exec` wrappers may not pass signals on: end every process in the namespace.
+  for p in $(ip netns pids "$NS" 2>/dev/null) "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
   if [ "$created" = 1 ]; then ip netns del "$NS" 2>/dev/null || true; fi
   rm -rf "$workdir"
