@@ -1,0 +1,162 @@
+//! The `kvroute` binary as a user runs it.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+fn kvroute(args: &[&str], stdin: &str) -> (i32, String, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("runs");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(stdin.as_bytes())
+        .expect("write");
+    let out = child.wait_with_output().expect("exits");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).to_string(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    )
+}
+
+/// xxh3-64 of `bytes` with `seed`, computed here independently of the crate under test (a
+/// straight transcription of the XXH3 algorithm for inputs of 1–16 and 17–128 bytes, the sizes
+/// these vectors use), so the CLI is checked against more than its own library.
+mod xxh3 {
+    const P64_1: u64 = 0x9E3779B185EBCA87;
+    const SECRET: [u8; 192] = [
+        0xb8, 0xfe, 0x6c, 0x39, 0x23, 0xa4, 0x4b, 0xbe, 0x7c, 0x01, 0x81, 0x2c, 0xf7, 0x21, 0xad,
+        0x1c, 0xde, 0xd4, 0x6d, 0xe9, 0x83, 0x90, 0x97, 0xdb, 0x72, 0x40, 0xa4, 0xa4, 0xb7, 0xb3,
+        0x67, 0x1f, 0xcb, 0x79, 0xe6, 0x4e, 0xcc, 0xc0, 0xe5, 0x78, 0x82, 0x5a, 0xd0, 0x7d, 0xcc,
+        0xff, 0x72, 0x21, 0xb8, 0x08, 0x46, 0x74, 0xf7, 0x43, 0x24, 0x8e, 0xe0, 0x35, 0x90, 0xe6,
+        0x81, 0x3a, 0x26, 0x4c, 0x3c, 0x28, 0x52, 0xbb, 0x91, 0xc3, 0x00, 0xcb, 0x88, 0xd0, 0x65,
+        0x8b, 0x1b, 0x53, 0x2e, 0xa3, 0x71, 0x64, 0x48, 0x97, 0xa2, 0x0d, 0xf9, 0x4e, 0x38, 0x19,
+        0xef, 0x46, 0xa9, 0xde, 0xac, 0xd8, 0xa8, 0xfa, 0x76, 0x3f, 0xe3, 0x9c, 0x34, 0x3f, 0xf9,
+        0xdc, 0xbb, 0xc7, 0xc7, 0x0b, 0x4f, 0x1d, 0x8a, 0x51, 0xe0, 0x4b, 0xcd, 0xb4, 0x59, 0x31,
+        0xc8, 0x9f, 0x7e, 0xc9, 0xd9, 0x78, 0x73, 0x64, 0xea, 0xc5, 0xac, 0x83, 0x34, 0xd3, 0xeb,
+        0xc3, 0xc5, 0x81, 0xa0, 0xff, 0xfa, 0x13, 0x63, 0xeb, 0x17, 0x0d, 0xdd, 0x51, 0xb7, 0xf0,
+        0xda, 0x49, 0xd3, 0x16, 0x55, 0x26, 0x29, 0xd4, 0x68, 0x9e, 0x2b, 0x16, 0xbe, 0x58, 0x7d,
+        0x47, 0xa1, 0xfc, 0x8f, 0xf8, 0xb8, 0xd1, 0x7a, 0xd0, 0x31, 0xce, 0x45, 0xcb, 0x3a, 0x8f,
+        0x95, 0x16, 0x04, 0x28, 0xaf, 0xd7, 0xfb, 0xca, 0xbb, 0x4b, 0x40, 0x7e,
+    ];
+    fn r64(b: &[u8], i: usize) -> u64 {
+        u64::from_le_bytes(b[i..i + 8].try_into().unwrap())
+    }
+    fn avalanche(mut h: u64) -> u64 {
+        h ^= h >> 37;
+        h = h.wrapping_mul(0x165667919E3779F9);
+        h ^ (h >> 32)
+    }
+    fn mul128_fold64(a: u64, b: u64) -> u64 {
+        let p = u128::from(a) * u128::from(b);
+        (p as u64) ^ ((p >> 64) as u64)
+    }
+    fn mix16(b: &[u8], i: usize, s: usize, seed: u64) -> u64 {
+        mul128_fold64(
+            r64(b, i) ^ r64(&SECRET, s).wrapping_add(seed),
+            r64(b, i + 8) ^ r64(&SECRET, s + 8).wrapping_sub(seed),
+        )
+    }
+    pub fn hash(b: &[u8], seed: u64) -> u64 {
+        let len = b.len();
+        if (9..=16).contains(&len) {
+            let lo = (r64(&SECRET, 24) ^ r64(&SECRET, 32)).wrapping_add(seed);
+            let hi = (r64(&SECRET, 40) ^ r64(&SECRET, 48)).wrapping_sub(seed);
+            let lo = r64(b, 0) ^ lo;
+            let hi = r64(b, len - 8) ^ hi;
+            let acc = (len as u64)
+                .wrapping_add(lo.swap_bytes())
+                .wrapping_add(hi)
+                .wrapping_add(mul128_fold64(lo, hi));
+            return avalanche(acc);
+        }
+        assert!(
+            (17..=128).contains(&len),
+            "only the sizes these vectors use"
+        );
+        let mut acc = (len as u64).wrapping_mul(P64_1);
+        if len > 32 {
+            if len > 64 {
+                if len > 96 {
+                    acc = acc.wrapping_add(mix16(b, 48, 96, seed));
+                    acc = acc.wrapping_add(mix16(b, len - 64, 112, seed));
+                }
+                acc = acc.wrapping_add(mix16(b, 32, 64, seed));
+                acc = acc.wrapping_add(mix16(b, len - 48, 80, seed));
+            }
+            acc = acc.wrapping_add(mix16(b, 16, 32, seed));
+            acc = acc.wrapping_add(mix16(b, len - 32, 48, seed));
+        }
+        acc = acc.wrapping_add(mix16(b, 0, 0, seed));
+        acc = acc.wrapping_add(mix16(b, len - 16, 16, seed));
+        avalanche(acc)
+    }
+}
+
+#[test]
+fn hash_prints_xxh3_local_and_chained_sequence_hashes() {
+    let (code, out, _) = kvroute(&["hash", "--block-size", "4"], "[1,2,3,4,5,6,7,8]");
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON line");
+    let block = |tokens: [u32; 4]| {
+        let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        xxh3::hash(&bytes, 1337)
+    };
+    let l0 = block([1, 2, 3, 4]);
+    let l1 = block([5, 6, 7, 8]);
+    let mut chained = Vec::new();
+    chained.extend_from_slice(&l0.to_le_bytes());
+    chained.extend_from_slice(&l1.to_le_bytes());
+    let s1 = xxh3::hash(&chained, 1337);
+    assert_eq!(v["local_hashes"], serde_json::json!([l0 as i64, l1 as i64]));
+    assert_eq!(
+        v["sequence_hashes"],
+        serde_json::json!([l0 as i64, s1 as i64])
+    );
+    // And the values Dynamo 1.6.1's own functions give (SPEC §2).
+    assert_eq!(l0 as i64, -3803038269031200164);
+    assert_eq!(s1 as i64, 4945711292740353085);
+}
+
+#[test]
+fn hash_rejects_bad_input_with_one_line_and_exit_code_2() {
+    for (args, stdin, needle) in [
+        (vec!["hash", "--block-size", "4"], "[1, -2]", "token 1"),
+        (
+            vec!["hash", "--block-size", "4"],
+            "[1, 4294967296]",
+            "token 1",
+        ),
+        (
+            vec!["hash", "--block-size", "4"],
+            "{\"a\": 1}",
+            "JSON array",
+        ),
+        (vec!["hash", "--block-size", "4"], "[1,", "not JSON"),
+        (
+            vec!["hash", "--block-size", "0"],
+            "[1,2,3,4]",
+            "--block-size",
+        ),
+    ] {
+        let (code, out, err) = kvroute(&args, stdin);
+        assert_eq!(code, 2, "{stdin}");
+        assert!(out.is_empty());
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+        assert!(err.contains(needle), "{needle:?} not in {err}");
+    }
+}
+
+#[test]
+fn serve_refuses_an_invalid_knob_naming_it() {
+    let (code, _, err) = kvroute(&["serve", "--router-temperature=-1", "--port", "0"], "");
+    assert_eq!(code, 2);
+    assert!(err.contains("--router-temperature"), "{err}");
+}
