@@ -728,3 +728,106 @@ async fn replay_that_never_ends_times_out_and_is_counted() {
     manager.remove_worker(1);
     eventually("stopped", || manager.active_listeners() == 0).await;
 }
+
+/// The whole product path: three workers with fake engines over real ZMQ, events published,
+/// `select` follows them, the selection is booked by replay, its lifecycle runs, and `/loads`
+/// shows each step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_flow_with_three_fake_engines_over_http() {
+    let app = TestApp::new();
+    let state = Arc::clone(&app.state);
+    let mut engines = Vec::new();
+    for worker_id in 1..=3u64 {
+        let encoding = if worker_id == 2 {
+            Encoding::Map
+        } else {
+            Encoding::Array
+        };
+        let mut engine = engine(false, encoding).await;
+        register(&app, worker(worker_id, &engine)).await;
+        warm_up(&mut engine, &state, worker_id, 0).await;
+        engines.push(engine);
+    }
+    // Worker 3's engine caches the first three blocks of the prompt; worker 1's only one.
+    let prompt = tokens(1, 4);
+    engines[2]
+        .publish_stored(None, &prompt[..3 * BLOCK as usize], BLOCK, None)
+        .await
+        .unwrap();
+    engines[0]
+        .publish_stored(None, &prompt[..BLOCK as usize], BLOCK, None)
+        .await
+        .unwrap();
+    eventually("both engines' blocks indexed", || {
+        device(&state, 3, 0, &prompt) == 3 && device(&state, 1, 0, &prompt) == 1
+    })
+    .await;
+    let mut prompt_with_tail = prompt.clone();
+    prompt_with_tail.push(7);
+    let sel = app
+        .post(
+            "/select",
+            json!({"model_name": MODEL, "token_ids": prompt_with_tail, "selection_id": "flow-1"}),
+        )
+        .await;
+    assert_eq!(sel.status, 200, "{}", sel.text);
+    assert_eq!(sel.body["worker_id"], 3, "the deepest cached prefix wins");
+    assert_eq!(sel.body["overlap"]["gpu"], 3 * BLOCK);
+    let load_of = |loads: &Value, worker: u64| -> Value {
+        loads[0]["loads"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|l| l["worker_id"] == worker)
+            .cloned()
+            .unwrap()
+    };
+    let path = format!("/loads?model_name={MODEL}");
+    assert_eq!(load_of(&app.get(&path).await.body, 3)["active_requests"], 0);
+    let booked = app
+        .post(
+            "/reservations",
+            json!({"model_name": MODEL, "selection_id": "flow-1"}),
+        )
+        .await;
+    assert_eq!(booked.status, 201, "{}", booked.text);
+    assert_eq!(booked.body["worker_id"], 3);
+    let l = load_of(&app.get(&path).await.body, 3);
+    assert_eq!(l["active_requests"], 1);
+    assert_eq!(
+        l["potential_prefill_tokens"],
+        BLOCK + 1,
+        "one uncached block and the tail"
+    );
+    assert_eq!(l["potential_decode_blocks"], 5);
+    app.post("/reservations/flow-1/prefill_complete", json!({}))
+        .await;
+    assert_eq!(
+        load_of(&app.get(&path).await.body, 3)["potential_prefill_tokens"],
+        0
+    );
+    app.post("/reservations/flow-1/output_block", json!({}))
+        .await;
+    assert_eq!(
+        load_of(&app.get(&path).await.body, 3)["potential_decode_blocks"],
+        6
+    );
+    assert_eq!(app.delete("/reservations/flow-1").await.status, 200);
+    let l = load_of(&app.get(&path).await.body, 3);
+    assert_eq!(
+        (&l["active_requests"], &l["potential_decode_blocks"]),
+        (&json!(0), &json!(0))
+    );
+    // The engine evicts: the overlap follows.
+    let hashes = kvroute_service::fake_engine::engine_block_hashes(
+        None,
+        &prompt[..3 * BLOCK as usize],
+        BLOCK,
+        None,
+    );
+    engines[2]
+        .publish_removed(&hashes[1..], None)
+        .await
+        .unwrap();
+    eventually("eviction applied", || device(&state, 3, 0, &prompt) == 1).await;
+}
