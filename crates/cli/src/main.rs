@@ -1,10 +1,11 @@
-//! The `kvroute` binary: `serve` (the HTTP selection service), `hash`.
+//! The `kvroute` binary: `serve` (the HTTP selection service), `sim` (the fleet simulator), `hash`.
 #![forbid(unsafe_code)]
 
 mod fake_engine_cmd;
 mod hash_cmd;
 mod loadgen_cmd;
 mod serve_cmd;
+mod sim_cmd;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -30,6 +31,9 @@ enum Command {
     Loadgen(loadgen_cmd::LoadgenArgs),
     /// Publish KV events like a vLLM engine (ZMQ PUB on 127.0.0.1:5557 by default), for demos.
     FakeEngine(fake_engine_cmd::FakeEngineArgs),
+    /// Simulate a fleet: replay a trace (or a synthetic workload) under several routing policies
+    /// and compare prefix hit rate, TTFT, latency and balance.
+    Sim(sim_cmd::SimArgs),
 }
 
 fn init_logging() {
@@ -54,5 +58,6 @@ fn main() -> ExitCode {
             init_logging();
             fake_engine_cmd::run(&args)
         }
+        Command::Sim(args) => sim_cmd::run(&args),
     }
 }

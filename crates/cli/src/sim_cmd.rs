@@ -1,0 +1,502 @@
+//! `kvroute sim`: replays a workload on a simulated fleet under several routing policies and
+//! prints a side-by-side table; `--out DIR` also writes `report.json` and `report.svg`.
+//!
+//! The simulation itself is `kvroute-sim` (pure and deterministic); this module parses flags,
+//! reads the trace file, runs the policies on parallel threads with a progress bar per policy
+//! (hidden when stderr is not a terminal), and writes the outputs.
+
+use clap::Args;
+use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
+use kvroute_sim::engine::DEFAULT_KV_BLOCKS;
+use kvroute_sim::policy::{SelectorPolicy, kvroute_policy};
+use kvroute_sim::workload::{mooncake_workload, parse_mooncake, synthetic_workload};
+use kvroute_sim::{
+    ArrivalOptions, EngineConfig, Policy, PolicyRun, SimConfig, SimError, SyntheticSpec,
+    TimingModel, UnavailablePolicy, Workload, build_report, render_svg, resolve, run_policy,
+};
+use std::io::{BufReader, IsTerminal};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+/// The synthetic workload `kvroute sim` runs when given neither `--trace` nor `--synthetic`.
+const DEFAULT_SYNTHETIC: &str = "16x64";
+
+#[derive(Args, Debug, Clone)]
+pub struct SimArgs {
+    /// Mooncake JSONL trace to replay (`timestamp` ms, `input_length`, `output_length`,
+    /// `hash_ids` of 512-token blocks).
+    #[arg(long, conflicts_with = "synthetic")]
+    pub trace: Option<PathBuf>,
+    /// Synthetic shared-prefix workload, GROUPSxPROMPTS (the default, 16x64, when no --trace).
+    #[arg(long, value_name = "GROUPSxPROMPTS")]
+    pub synthetic: Option<String>,
+    /// Simulated workers (one engine each).
+    #[arg(long, default_value_t = 8)]
+    pub workers: usize,
+    /// `all` or a comma-separated list: round_robin, random, least_loaded, cache_aware, dynamo,
+    /// kvroute, kvroute-approx-ttl, kvroute-approx-lru.
+    #[arg(long, default_value = "all")]
+    pub policies: String,
+    /// KV blocks per worker, or `unlimited`.
+    #[arg(long, default_value_t = DEFAULT_KV_BLOCKS.to_string())]
+    pub kv_blocks: String,
+    /// Tokens per KV block (engines and hashing).
+    #[arg(long, default_value_t = 64)]
+    pub block_size: u32,
+    /// Engine speed-up: every step's duration is divided by this.
+    #[arg(long, default_value_t = 1.0, allow_hyphen_values = true)]
+    pub speedup: f64,
+    /// Arrival speed-up: arrival times are divided by this (2 replays a trace twice as fast).
+    #[arg(long, default_value_t = 1.0)]
+    pub arrival_speedup: f64,
+    /// Mean arrival rate, requests per second: rescales a trace's arrivals (instead of
+    /// --arrival-speedup) or sets the synthetic workload's Poisson rate (default 16).
+    #[arg(long)]
+    pub rate: Option<f64>,
+    /// Seed of every random choice (policies, synthetic workload).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Replay only the first N requests.
+    #[arg(long)]
+    pub max_requests: Option<usize>,
+    /// Directory for report.json and report.svg (created if missing).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Delay between an engine publishing KV events and the router applying them, ms.
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
+    pub event_delay_ms: f64,
+    /// Token budget of one engine step.
+    #[arg(long, default_value_t = 8192)]
+    pub max_num_batched_tokens: u64,
+    /// Most requests an engine runs at once.
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Prefill step time a·T²+b·T+c ms for T uncached tokens: `a,b,c`.
+    #[arg(
+        long,
+        allow_hyphen_values = true,
+        value_name = "A,B,C",
+        default_value = "4.209989e-7,1.518344e-2,16.50142"
+    )]
+    pub prefill_coefficients: String,
+    /// Decode step time d·u²+e·u+f ms at KV usage u ∈ [0,1]: `d,e,f`.
+    #[arg(
+        long,
+        allow_hyphen_values = true,
+        value_name = "D,E,F",
+        default_value = "-25.74,54.01,5.74"
+    )]
+    pub decode_coefficients: String,
+    /// Floor of a decode step, ms.
+    #[arg(long, default_value_t = 1.0)]
+    pub decode_min_ms: f64,
+    /// Synthetic workload: tokens of each group's shared system prompt.
+    #[arg(long, default_value_t = 4096)]
+    pub system_prompt_tokens: usize,
+    /// Synthetic workload: tokens of each prompt's own question.
+    #[arg(long, default_value_t = 512)]
+    pub question_tokens: usize,
+    /// Synthetic workload: output tokens per request.
+    #[arg(long, default_value_t = 256)]
+    pub output_tokens: u64,
+    /// `kvroute` policy: cache credit per device block hit (SPEC §6 `overlap_score_credit`).
+    #[arg(long)]
+    pub kvroute_overlap_score_credit: Option<f64>,
+    /// `kvroute` policy: weight of the prefill term (SPEC §6 `prefill_load_scale`).
+    #[arg(long)]
+    pub kvroute_prefill_load_scale: Option<f64>,
+    /// `kvroute` policy: cost per active request (SPEC §6 `decode_active_request_weight`).
+    #[arg(long)]
+    pub kvroute_decode_active_request_weight: Option<f64>,
+    /// `kvroute` policy: softmax temperature of the pick (0 = lowest cost).
+    #[arg(long)]
+    pub kvroute_temperature: Option<f64>,
+    /// `kvroute` policy: record a booked prompt's blocks on the chosen worker before its events.
+    #[arg(long)]
+    pub kvroute_predict_blocks: Option<bool>,
+    /// Policies simulated in parallel (default: the machine's cores).
+    #[arg(long)]
+    pub jobs: Option<usize>,
+    /// Never draw progress bars.
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+fn coefficients(knob: &str, text: &str) -> Result<[f64; 3], String> {
+    let values: Result<Vec<f64>, _> = text.split(',').map(|v| v.trim().parse::<f64>()).collect();
+    match values {
+        Ok(v) if v.len() == 3 && v.iter().all(|x| x.is_finite()) => Ok([v[0], v[1], v[2]]),
+        _ => Err(format!(
+            "invalid --{knob}: expected three comma-separated numbers, got `{text}`"
+        )),
+    }
+}
+
+/// The simulation configuration the flags describe.
+pub fn sim_config(args: &SimArgs) -> Result<SimConfig, String> {
+    let kv_blocks = match args.kv_blocks.trim() {
+        "unlimited" | "inf" | "infinite" => None,
+        n => Some(n.parse::<u64>().map_err(|_| {
+            format!("invalid --kv-blocks: expected a number of blocks or `unlimited`, got `{n}`")
+        })?),
+    };
+    if !(args.event_delay_ms.is_finite() && args.event_delay_ms >= 0.0) {
+        return Err(format!(
+            "invalid --event-delay-ms: must be a non-negative number, got {}",
+            args.event_delay_ms
+        ));
+    }
+    let config = SimConfig {
+        workers: args.workers,
+        engine: EngineConfig {
+            block_size: args.block_size,
+            kv_blocks,
+            max_num_batched_tokens: args.max_num_batched_tokens,
+            max_num_seqs: args.max_num_seqs,
+            nominal_kv_blocks: DEFAULT_KV_BLOCKS,
+            timing: TimingModel {
+                prefill_coefficients: coefficients(
+                    "prefill-coefficients",
+                    &args.prefill_coefficients,
+                )?,
+                decode_coefficients: coefficients(
+                    "decode-coefficients",
+                    &args.decode_coefficients,
+                )?,
+                decode_min_ms: args.decode_min_ms,
+                speedup: args.speedup,
+            },
+        },
+        event_delay: Duration::from_secs_f64(args.event_delay_ms / 1e3),
+        seed: args.seed,
+    };
+    config.validate().map_err(|e| e.to_string())?;
+    Ok(config)
+}
+
+/// Reads or generates the workload the flags describe.
+pub fn load_workload(args: &SimArgs) -> Result<Workload, String> {
+    let arrival = ArrivalOptions {
+        speedup: args.arrival_speedup,
+        rate_rps: args.rate,
+        max_requests: args.max_requests,
+    };
+    if let Some(path) = &args.trace {
+        let file = std::fs::File::open(path)
+            .map_err(|e| format!("cannot open trace {}: {e}", path.display()))?;
+        let rows =
+            parse_mooncake(BufReader::new(file)).map_err(|e| format!("{}: {e}", path.display()))?;
+        return mooncake_workload(
+            &path.display().to_string(),
+            &rows,
+            args.block_size,
+            &arrival,
+        )
+        .map_err(|e| e.to_string());
+    }
+    let shape = args.synthetic.as_deref().unwrap_or(DEFAULT_SYNTHETIC);
+    let (groups, prompts_per_group) =
+        SyntheticSpec::parse_shape(shape).map_err(|e| e.to_string())?;
+    let spec = SyntheticSpec {
+        groups,
+        prompts_per_group,
+        system_prompt_tokens: args.system_prompt_tokens,
+        question_tokens: args.question_tokens,
+        output_tokens: args.output_tokens,
+        seed: args.seed,
+        ..SyntheticSpec::default()
+    };
+    synthetic_workload(&spec, args.block_size, &arrival).map_err(|e| e.to_string())
+}
+
+fn progress_style() -> ProgressStyle {
+    ProgressStyle::with_template("{prefix:>20} [{bar:40}] {pos}/{len} requests {elapsed}")
+        .map(|s| s.progress_chars("=> "))
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+}
+
+/// Runs the policies on up to `jobs` threads; results come back in the policies' order.
+fn run_all(
+    workload: &Workload,
+    config: &SimConfig,
+    policies: &[Policy],
+    jobs: usize,
+    show_progress: bool,
+) -> Result<Vec<PolicyRun>, SimError> {
+    let bars = MultiProgress::with_draw_target(if show_progress {
+        ProgressDrawTarget::stderr()
+    } else {
+        ProgressDrawTarget::hidden()
+    });
+    let total = workload.requests.len() as u64;
+    let progress: Vec<ProgressBar> = policies
+        .iter()
+        .map(|p| {
+            let bar = bars.add(ProgressBar::new(total));
+            bar.set_style(progress_style());
+            bar.set_prefix(p.name);
+            bar
+        })
+        .collect();
+    let origin = Instant::now();
+    let next = AtomicUsize::new(0);
+    let results: Mutex<Vec<Option<Result<PolicyRun, SimError>>>> =
+        Mutex::new(policies.iter().map(|_| None).collect());
+    std::thread::scope(|scope| {
+        for _ in 0..jobs.clamp(1, policies.len().max(1)) {
+            scope.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(policy) = policies.get(i) else {
+                        break;
+                    };
+                    let bar = &progress[i];
+                    let result = run_policy(workload, config, policy, origin, &mut |done| {
+                        if done % 64 == 0 {
+                            bar.set_position(done as u64);
+                        }
+                    });
+                    bar.finish();
+                    let mut slots = results.lock().unwrap_or_else(|e| e.into_inner());
+                    slots[i] = Some(result);
+                }
+            });
+        }
+    });
+    let _ = bars.clear();
+    results
+        .into_inner()
+        .unwrap_or_else(|e| e.into_inner())
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|| Err(SimError::Internal("a policy did not run".into()))))
+        .collect()
+}
+
+/// The `kvroute` policy: its defaults for this event delay, with the `--kvroute-*` overrides.
+pub fn kvroute_settings(args: &SimArgs, event_delay: Duration) -> SelectorPolicy {
+    let mut policy = kvroute_policy(event_delay);
+    let s = &mut policy.scheduler;
+    if let Some(v) = args.kvroute_overlap_score_credit {
+        s.overlap_score_credit = v;
+    }
+    if let Some(v) = args.kvroute_prefill_load_scale {
+        s.prefill_load_scale = v;
+    }
+    if let Some(v) = args.kvroute_decode_active_request_weight {
+        s.decode_active_request_weight = v;
+    }
+    if let Some(v) = args.kvroute_temperature {
+        s.router_temperature = v;
+    }
+    if let Some(v) = args.kvroute_predict_blocks {
+        policy.predict_blocks_on_route = v;
+    }
+    policy
+}
+
+fn run_inner(args: &SimArgs) -> Result<(), String> {
+    let started = Instant::now();
+    let config = sim_config(args)?;
+    let kvroute = kvroute_settings(args, config.event_delay);
+    let requested = resolve(&args.policies, kvroute).map_err(|e| e.to_string())?;
+    let (runnable, unavailable): (Vec<Policy>, Vec<Policy>) =
+        requested.into_iter().partition(|p| p.unavailable.is_none());
+    let unavailable: Vec<UnavailablePolicy> = unavailable
+        .into_iter()
+        .map(|p| UnavailablePolicy {
+            name: p.name.to_string(),
+            reason: p.unavailable.unwrap_or_default().to_string(),
+        })
+        .collect();
+    if runnable.is_empty() {
+        let names: Vec<&str> = unavailable.iter().map(|u| u.name.as_str()).collect();
+        return Err(format!(
+            "no runnable policy: {} {}",
+            names.join(", "),
+            unavailable
+                .first()
+                .map(|u| u.reason.as_str())
+                .unwrap_or_default()
+        ));
+    }
+    let workload = load_workload(args)?;
+    let loaded = started.elapsed();
+    let jobs = args.jobs.unwrap_or_else(|| {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    });
+    let show_progress = !args.no_progress && std::io::stderr().is_terminal();
+    let runs =
+        run_all(&workload, &config, &runnable, jobs, show_progress).map_err(|e| e.to_string())?;
+    let report = build_report(&workload, &config, &runs, unavailable);
+
+    println!(
+        "workload: {} — {} requests, {} prompt tokens; {} workers × {} KV blocks of {} tokens, \
+         engine speed-up {}, event delay {} ms, seed {}",
+        report.trace,
+        report.requests,
+        workload.prompt_tokens(),
+        report.workers,
+        report
+            .kv_blocks
+            .map_or_else(|| "unlimited".to_string(), |b| b.to_string()),
+        report.block_size,
+        report.speedup,
+        report.event_delay_ms,
+        report.seed
+    );
+    print!("{}", report.to_table());
+    if let Some(dir) = &args.out {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| format!("cannot create --out {}: {e}", dir.display()))?;
+        let json_path = dir.join("report.json");
+        let svg_path = dir.join("report.svg");
+        let json = report.to_json().map_err(|e| e.to_string())?;
+        std::fs::write(&json_path, json)
+            .map_err(|e| format!("cannot write {}: {e}", json_path.display()))?;
+        let svg = render_svg(&report, &runs).map_err(|e| e.to_string())?;
+        std::fs::write(&svg_path, svg)
+            .map_err(|e| format!("cannot write {}: {e}", svg_path.display()))?;
+        println!("wrote {} and {}", json_path.display(), svg_path.display());
+    }
+    eprintln!(
+        "simulated {} policies in {:.1} s (workload built in {:.1} s)",
+        runs.len(),
+        started.elapsed().as_secs_f64(),
+        loaded.as_secs_f64()
+    );
+    Ok(())
+}
+
+pub fn run(args: &SimArgs) -> ExitCode {
+    match run_inner(args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("kvroute sim: {message}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        sim: SimArgs,
+    }
+
+    fn args(line: &[&str]) -> SimArgs {
+        let mut argv = vec!["sim"];
+        argv.extend_from_slice(line);
+        Cli::try_parse_from(argv).unwrap().sim
+    }
+
+    #[test]
+    fn flags_become_the_simulation_config() {
+        let a = args(&[
+            "--kv-blocks",
+            "unlimited",
+            "--workers",
+            "3",
+            "--speedup",
+            "2",
+            "--prefill-coefficients",
+            "0,1,2",
+            "--event-delay-ms",
+            "5",
+        ]);
+        let c = sim_config(&a).unwrap();
+        assert_eq!(c.engine.kv_blocks, None);
+        assert_eq!(c.workers, 3);
+        assert_eq!(c.engine.timing.speedup, 2.0);
+        assert_eq!(c.engine.timing.prefill_coefficients, [0.0, 1.0, 2.0]);
+        assert_eq!(c.event_delay, Duration::from_millis(5));
+        assert_eq!(
+            sim_config(&args(&[])).unwrap().engine.kv_blocks,
+            Some(16_384)
+        );
+        for (bad, knob) in [
+            (vec!["--kv-blocks", "lots"], "--kv-blocks"),
+            (vec!["--kv-blocks", "0"], "--kv-blocks"),
+            (vec!["--workers", "0"], "--workers"),
+            (vec!["--speedup", "-1"], "--speedup"),
+            (
+                vec!["--decode-coefficients", "1,2"],
+                "--decode-coefficients",
+            ),
+            (vec!["--event-delay-ms", "-3"], "--event-delay-ms"),
+        ] {
+            let err = sim_config(&args(&bad)).unwrap_err();
+            assert!(err.contains(knob), "{err}");
+        }
+        assert!(Cli::try_parse_from(["sim", "--trace", "t.jsonl", "--synthetic", "2x2"]).is_err());
+    }
+
+    #[test]
+    fn kvroute_overrides_apply_to_the_kvroute_policy_only() {
+        let a = args(&[
+            "--kvroute-prefill-load-scale",
+            "3",
+            "--kvroute-predict-blocks",
+            "false",
+        ]);
+        let k = kvroute_settings(&a, Duration::ZERO);
+        assert_eq!(k.scheduler.prefill_load_scale, 3.0);
+        assert!(!k.predict_blocks_on_route);
+        assert_eq!(
+            kvroute_settings(&args(&[]), Duration::ZERO),
+            kvroute_policy(Duration::ZERO)
+        );
+    }
+
+    #[test]
+    fn a_synthetic_run_writes_identical_reports_for_the_same_seed() {
+        let dir = std::env::temp_dir().join(format!("kvroute-sim-cmd-{}", std::process::id()));
+        let run_once = |sub: &str| {
+            let out = dir.join(sub);
+            let a = args(&[
+                "--synthetic",
+                "3x4",
+                "--workers",
+                "2",
+                "--system-prompt-tokens",
+                "300",
+                "--question-tokens",
+                "40",
+                "--output-tokens",
+                "5",
+                "--policies",
+                "round_robin,dynamo,kvroute-approx-ttl",
+                "--no-progress",
+                "--out",
+                out.to_str().unwrap(),
+            ]);
+            run_inner(&a).unwrap();
+            assert!(out.join("report.svg").exists());
+            std::fs::read_to_string(out.join("report.json")).unwrap()
+        };
+        let first = run_once("a");
+        assert_eq!(first, run_once("b"));
+        let report: serde_json::Value = serde_json::from_str(&first).unwrap();
+        assert_eq!(report["policies"].as_array().unwrap().len(), 2);
+        assert_eq!(report["unavailable"][0]["name"], "kvroute-approx-ttl");
+        assert_eq!(report["requests"], 12);
+        let _ = std::fs::remove_dir_all(&dir);
+        // Only unavailable policies: nothing to run is an error.
+        let err = run_inner(&args(&[
+            "--policies",
+            "kvroute-approx-lru",
+            "--no-progress",
+        ]))
+        .unwrap_err();
+        assert!(err.contains("no runnable policy"), "{err}");
+    }
+}

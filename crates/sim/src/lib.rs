@@ -1,0 +1,79 @@
+//! # kvroute-sim
+//!
+//! A deterministic discrete-event simulator of an LLM inference fleet, to compare routing policies
+//! on real traces before touching a GPU. It drives the same [`kvroute_core::selector::Selector`]
+//! API the HTTP service uses, with a virtual clock and simulated engines.
+//!
+//! - [`engine`]: one vLLM-like engine per worker: a KV [`pool`] with prefix caching and LRU
+//!   eviction (tail → root), a waiting/running scheduler with a per-step token budget, chunked
+//!   prefill and preemption, and a [`timing`] model for step durations. Engines publish `Stored` /
+//!   `Removed` KV events into the router's index and drive its lifecycle calls.
+//! - [`workload`]: Mooncake JSONL traces (hash ids expanded into deterministic tokens) and
+//!   synthetic shared-prefix groups.
+//! - [`policy`]: round robin, random, least loaded, SGLang-style cache-aware, and the selector with
+//!   Dynamo's defaults (`dynamo`) or kvroute's own (`kvroute`).
+//! - [`sim`]: the event loop ([`sim::run_policy`]).
+//! - [`report`]: per-policy hit rate, TTFT, latency, throughput, imbalance, preemptions; JSON, a
+//!   text table and an SVG chart.
+//!
+//! ## Invariants
+//! - **Pure and deterministic**: no async runtime, no clock reads, no global randomness. Time is
+//!   virtual nanoseconds mapped onto a caller-given origin `Instant`; randomness comes from one
+//!   seeded `SmallRng` per run. The same inputs and seed give the same report, byte for byte.
+//! - Hash maps are only looked up, never iterated where the order could change a result.
+//!
+//! ## Cost
+//! A run is O(steps × running requests + blocks stored and evicted × log). The full Mooncake
+//! conversation trace (12,031 requests, ~145 M prompt tokens) on 8 workers takes seconds per
+//! policy in a release build.
+#![forbid(unsafe_code)]
+
+pub mod engine;
+pub mod policy;
+pub mod pool;
+pub mod report;
+pub mod sim;
+pub mod timing;
+pub mod workload;
+
+pub use engine::{Engine, EngineConfig};
+pub use policy::{Policy, catalog, resolve};
+pub use report::{Report, UnavailablePolicy, build_report, render_svg};
+pub use sim::{PolicyRun, SimConfig, run_policy};
+pub use timing::TimingModel;
+pub use workload::{ArrivalOptions, SimRequest, SyntheticSpec, Workload};
+
+/// Index of a request in its workload.
+pub type RequestId = u32;
+
+/// Everything that can go wrong in a simulation.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    /// A knob has a value the simulator cannot use.
+    #[error("invalid --{knob}: {reason}")]
+    Invalid { knob: &'static str, reason: String },
+    /// A trace line could not be used.
+    #[error("trace line {line}: {reason}")]
+    Trace { line: usize, reason: String },
+    /// A policy exists but cannot run in this build.
+    #[error("policy {policy} is unavailable: {reason}")]
+    Unavailable { policy: String, reason: String },
+    /// The selector refused a call the simulator made.
+    #[error("selector: {0}")]
+    Selector(#[from] kvroute_core::error::Error),
+    /// Drawing the chart failed.
+    #[error("plot: {0}")]
+    Plot(String),
+    /// A broken simulator invariant (a bug).
+    #[error("internal simulator error: {0}")]
+    Internal(String),
+}
+
+impl SimError {
+    pub(crate) fn invalid(knob: &'static str, reason: impl Into<String>) -> Self {
+        SimError::Invalid {
+            knob,
+            reason: reason.into(),
+        }
+    }
+}

@@ -1,0 +1,404 @@
+//! Reports: per-policy figures as a JSON document, a text table and an SVG chart.
+//!
+//! - `prefix_hit_rate`: prompt tokens served from the engines' prefix caches (at each request's
+//!   first admission; only full blocks can hit) ÷ all prompt tokens of completed requests.
+//! - `ttft_ms`, `e2e_ms`: time to first token and end-to-end latency from arrival, virtual
+//!   milliseconds; percentiles by nearest rank.
+//! - `throughput_rps`: completed requests ÷ (last completion − first arrival).
+//! - `load_imbalance`: max ÷ mean of the workers' busy time (1.0 is perfectly even).
+//! - `preemptions`: requests the engines evicted from their running batch for lack of KV blocks.
+//!
+//! Every number is a function of the run alone (no wall-clock time), so the same seed gives a
+//! byte-identical JSON document.
+
+use crate::SimError;
+use crate::sim::{PolicyRun, SimConfig};
+use crate::workload::Workload;
+use plotters::coord::Shift;
+use plotters::prelude::*;
+use serde::Serialize;
+
+/// Latency summary, milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Default)]
+pub struct LatencyStats {
+    pub mean: f64,
+    pub p50: f64,
+    pub p90: f64,
+    pub p99: f64,
+    pub max: f64,
+}
+
+/// One policy's line of the report.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PolicyReport {
+    pub name: String,
+    pub prefix_hit_rate: f64,
+    pub ttft_ms: LatencyStats,
+    pub e2e_ms: LatencyStats,
+    pub throughput_rps: f64,
+    pub load_imbalance: f64,
+    pub preemptions: u64,
+    pub completed: u64,
+    pub rejected: u64,
+    pub cached_tokens: u64,
+    pub prompt_tokens: u64,
+    pub evicted_blocks: u64,
+    /// Events the router's index could not apply (a simulator bug when non-zero).
+    pub index_parent_not_found: u64,
+}
+
+/// A policy that was asked for but cannot run, and why.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct UnavailablePolicy {
+    pub name: String,
+    pub reason: String,
+}
+
+/// The whole report (`report.json`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Report {
+    pub trace: String,
+    pub workers: usize,
+    pub requests: usize,
+    pub block_size: u32,
+    /// KV blocks per worker, `null` when unlimited.
+    pub kv_blocks: Option<u64>,
+    pub speedup: f64,
+    pub event_delay_ms: f64,
+    pub seed: u64,
+    pub policies: Vec<PolicyReport>,
+    pub unavailable: Vec<UnavailablePolicy>,
+}
+
+/// Rounds to `digits` decimals (keeps the JSON readable; deterministic).
+fn round(x: f64, digits: i32) -> f64 {
+    let scale = 10f64.powi(digits);
+    let r = (x * scale).round() / scale;
+    if r.is_finite() { r } else { 0.0 }
+}
+
+/// Nearest-rank percentile of sorted values.
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+fn stats(mut values: Vec<f64>) -> LatencyStats {
+    if values.is_empty() {
+        return LatencyStats::default();
+    }
+    values.sort_by(f64::total_cmp);
+    let mean = values.iter().sum::<f64>() / values.len() as f64;
+    LatencyStats {
+        mean: round(mean, 3),
+        p50: round(percentile(&values, 50.0), 3),
+        p90: round(percentile(&values, 90.0), 3),
+        p99: round(percentile(&values, 99.0), 3),
+        max: round(values[values.len() - 1], 3),
+    }
+}
+
+/// Time to first token of every completed request, milliseconds, sorted.
+pub fn ttfts_ms(run: &PolicyRun) -> Vec<f64> {
+    let mut v: Vec<f64> = run
+        .requests
+        .iter()
+        .filter_map(|r| {
+            r.first_token
+                .map(|t| t.saturating_sub(r.arrival) as f64 / 1e6)
+        })
+        .collect();
+    v.sort_by(f64::total_cmp);
+    v
+}
+
+/// Summarises one run.
+pub fn summarize(run: &PolicyRun) -> PolicyReport {
+    let completed: Vec<_> = run
+        .requests
+        .iter()
+        .filter(|r| r.finished.is_some())
+        .collect();
+    let cached_tokens: u64 = completed.iter().map(|r| r.cached_tokens).sum();
+    let prompt_tokens: u64 = completed.iter().map(|r| r.prompt_tokens).sum();
+    let e2e = completed
+        .iter()
+        .filter_map(|r| r.finished.map(|f| f.saturating_sub(r.arrival) as f64 / 1e6))
+        .collect();
+    let first_arrival = run.requests.iter().map(|r| r.arrival).min().unwrap_or(0);
+    let last_finish = completed
+        .iter()
+        .filter_map(|r| r.finished)
+        .max()
+        .unwrap_or(0);
+    let span_secs = last_finish.saturating_sub(first_arrival) as f64 / 1e9;
+    let busy: Vec<f64> = run.engines.iter().map(|e| e.busy_nanos as f64).collect();
+    let mean_busy = busy.iter().sum::<f64>() / busy.len().max(1) as f64;
+    let max_busy = busy.iter().copied().fold(0.0, f64::max);
+    PolicyReport {
+        name: run.policy.clone(),
+        prefix_hit_rate: if prompt_tokens == 0 {
+            0.0
+        } else {
+            round(cached_tokens as f64 / prompt_tokens as f64, 6)
+        },
+        ttft_ms: stats(ttfts_ms(run)),
+        e2e_ms: stats(e2e),
+        throughput_rps: if span_secs > 0.0 {
+            round(completed.len() as f64 / span_secs, 4)
+        } else {
+            0.0
+        },
+        load_imbalance: if mean_busy > 0.0 {
+            round(max_busy / mean_busy, 4)
+        } else {
+            1.0
+        },
+        preemptions: run.engines.iter().map(|e| e.preemptions).sum(),
+        completed: completed.len() as u64,
+        rejected: run.requests.iter().filter(|r| r.rejected).count() as u64,
+        cached_tokens,
+        prompt_tokens,
+        evicted_blocks: run.engines.iter().map(|e| e.pool.evicted_blocks).sum(),
+        index_parent_not_found: run.router.parent_block_not_found,
+    }
+}
+
+/// Builds the report of a set of runs.
+pub fn build_report(
+    workload: &Workload,
+    config: &SimConfig,
+    runs: &[PolicyRun],
+    unavailable: Vec<UnavailablePolicy>,
+) -> Report {
+    Report {
+        trace: workload.name.clone(),
+        workers: config.workers,
+        requests: workload.requests.len(),
+        block_size: config.engine.block_size,
+        kv_blocks: config.engine.kv_blocks,
+        speedup: config.engine.timing.speedup,
+        event_delay_ms: round(config.event_delay.as_secs_f64() * 1e3, 6),
+        seed: config.seed,
+        policies: runs.iter().map(summarize).collect(),
+        unavailable,
+    }
+}
+
+impl Report {
+    /// The JSON document, pretty-printed, with a trailing newline.
+    pub fn to_json(&self) -> Result<String, SimError> {
+        let mut s = serde_json::to_string_pretty(self)
+            .map_err(|e| SimError::Internal(format!("cannot serialise the report: {e}")))?;
+        s.push('\n');
+        Ok(s)
+    }
+
+    /// A fixed-width text table, one line per policy, then a line per unavailable policy.
+    pub fn to_table(&self) -> String {
+        let mut out = String::new();
+        out.push_str(&format!(
+            "{:<20} {:>8} {:>10} {:>9} {:>9} {:>9} {:>10} {:>10} {:>8} {:>9} {:>8}\n",
+            "policy",
+            "hit rate",
+            "TTFT mean",
+            "TTFT p50",
+            "TTFT p90",
+            "TTFT p99",
+            "E2E p50",
+            "E2E p99",
+            "req/s",
+            "imbalance",
+            "preempt"
+        ));
+        for p in &self.policies {
+            out.push_str(&format!(
+                "{:<20} {:>7.2}% {:>8.1}ms {:>7.1}ms {:>7.1}ms {:>7.1}ms {:>9.0}ms {:>9.0}ms {:>8.2} {:>9.3} {:>8}\n",
+                p.name,
+                p.prefix_hit_rate * 100.0,
+                p.ttft_ms.mean,
+                p.ttft_ms.p50,
+                p.ttft_ms.p90,
+                p.ttft_ms.p99,
+                p.e2e_ms.p50,
+                p.e2e_ms.p99,
+                p.throughput_rps,
+                p.load_imbalance,
+                p.preemptions
+            ));
+        }
+        for u in &self.unavailable {
+            out.push_str(&format!("{:<20} unavailable: {}\n", u.name, u.reason));
+        }
+        out
+    }
+}
+
+fn plot_error(e: impl std::fmt::Display) -> SimError {
+    SimError::Plot(e.to_string())
+}
+
+/// Draws the TTFT CDF of each run (log scale) and a bar per policy of its prefix hit rate, as an
+/// SVG document.
+pub fn render_svg(report: &Report, runs: &[PolicyRun]) -> Result<String, SimError> {
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (1280, 520)).into_drawing_area();
+        root.fill(&WHITE).map_err(plot_error)?;
+        let (left, right) = root.split_horizontally(800);
+        draw_cdf(&left, report, runs)?;
+        draw_hit_rates(&right, report)?;
+        root.present().map_err(plot_error)?;
+    }
+    Ok(svg)
+}
+
+fn draw_cdf(
+    area: &DrawingArea<SVGBackend<'_>, Shift>,
+    report: &Report,
+    runs: &[PolicyRun],
+) -> Result<(), SimError> {
+    let curves: Vec<(String, Vec<f64>)> = runs
+        .iter()
+        .map(|r| (r.policy.clone(), ttfts_ms(r)))
+        .collect();
+    let positive = |v: &f64| *v > 0.0;
+    let min = curves
+        .iter()
+        .filter_map(|(_, v)| v.iter().copied().find(positive))
+        .fold(f64::INFINITY, f64::min);
+    let max = curves
+        .iter()
+        .filter_map(|(_, v)| v.last().copied())
+        .fold(0.0, f64::max);
+    let (lo, hi) = if min.is_finite() && max > min {
+        (min * 0.9, max * 1.1)
+    } else {
+        (1.0, 10.0)
+    };
+    let caption = format!(
+        "TTFT CDF — {} workers, {} requests",
+        report.workers, report.requests
+    );
+    let mut chart = ChartBuilder::on(area)
+        .caption(caption, ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(50)
+        .build_cartesian_2d((lo..hi).log_scale(), 0.0..1.0)
+        .map_err(plot_error)?;
+    chart
+        .configure_mesh()
+        .x_desc("time to first token (ms, log scale)")
+        .y_desc("fraction of requests")
+        .draw()
+        .map_err(plot_error)?;
+    for (i, (name, values)) in curves.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        let n = values.len();
+        // At most ~400 points per curve keeps the SVG small.
+        let step = (n / 400).max(1);
+        let points: Vec<(f64, f64)> = values
+            .iter()
+            .enumerate()
+            .filter(|(k, _)| k % step == 0 || *k + 1 == n)
+            .map(|(k, &v)| (v.max(lo), (k + 1) as f64 / n as f64))
+            .collect();
+        chart
+            .draw_series(LineSeries::new(points, color.stroke_width(2)))
+            .map_err(plot_error)?
+            .label(name.as_str())
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+            });
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::LowerRight)
+        .draw()
+        .map_err(plot_error)?;
+    Ok(())
+}
+
+fn draw_hit_rates(
+    area: &DrawingArea<SVGBackend<'_>, Shift>,
+    report: &Report,
+) -> Result<(), SimError> {
+    let names: Vec<String> = report.policies.iter().map(|p| p.name.clone()).collect();
+    // Integer ranges are inclusive in plotters: n policies are the segments 0..=n-1.
+    let last = names.len().saturating_sub(1) as i32;
+    let mut chart = ChartBuilder::on(area)
+        .caption("prefix hit rate (prompt tokens)", ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(110)
+        .build_cartesian_2d(0.0..1.0, (0..last).into_segmented())
+        .map_err(plot_error)?;
+    chart
+        .configure_mesh()
+        .disable_y_mesh()
+        .y_labels(names.len().max(1))
+        .y_label_formatter(&|v| match v {
+            SegmentValue::CenterOf(i) => usize::try_from(*i)
+                .ok()
+                .and_then(|i| names.len().checked_sub(i + 1))
+                .and_then(|i| names.get(i))
+                .cloned()
+                .unwrap_or_default(),
+            _ => String::new(),
+        })
+        .x_desc("hit rate")
+        .draw()
+        .map_err(plot_error)?;
+    chart
+        .draw_series(report.policies.iter().enumerate().map(|(i, p)| {
+            // The first policy on top, as in the table.
+            let i = last - i as i32;
+            let mut bar = Rectangle::new(
+                [
+                    (0.0, SegmentValue::Exact(i)),
+                    (p.prefix_hit_rate, SegmentValue::Exact(i + 1)),
+                ],
+                Palette99::pick((last - i) as usize).to_rgba().filled(),
+            );
+            bar.set_margin(4, 4, 0, 0);
+            bar
+        }))
+        .map_err(plot_error)?;
+    chart
+        .draw_series(report.policies.iter().enumerate().map(|(i, p)| {
+            Text::new(
+                format!("{:.1} %", p.prefix_hit_rate * 100.0),
+                (
+                    p.prefix_hit_rate + 0.01,
+                    SegmentValue::CenterOf(last - i as i32),
+                ),
+                ("sans-serif", 13),
+            )
+        }))
+        .map_err(plot_error)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_use_nearest_rank() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&v, 50.0), 50.0);
+        assert_eq!(percentile(&v, 90.0), 90.0);
+        assert_eq!(percentile(&v, 99.0), 99.0);
+        assert_eq!(percentile(&v, 100.0), 100.0);
+        assert_eq!(percentile(&[7.0], 1.0), 7.0);
+        assert_eq!(percentile(&[], 50.0), 0.0);
+        let s = stats(vec![3.0, 1.0, 2.0]);
+        assert_eq!((s.mean, s.p50, s.max), (2.0, 2.0, 3.0));
+    }
+}

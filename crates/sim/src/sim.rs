@@ -1,0 +1,250 @@
+//! The discrete-event loop: arrivals, engine steps and KV-event deliveries on one virtual clock.
+//!
+//! Events are processed in `(time, sequence number)` order, so simultaneous events keep the order
+//! they were scheduled in and a run is a pure function of the workload, the configuration, the
+//! policy and the seed. Every arrival is scheduled up front, so an idle engine woken at time `t`
+//! starts its step after every request that arrives at `t` has been routed.
+//!
+//! At the end of each step the engine's KV events reach the router (at once, or `event_delay`
+//! later), then the router hears of first tokens, new output blocks and finished requests.
+
+use crate::engine::{Engine, EngineConfig, EngineCounters};
+use crate::policy::{Policy, RouterDiagnostics, build_router};
+use crate::timing::Nanos;
+use crate::workload::Workload;
+use crate::{RequestId, SimError};
+use kvroute_core::event::KvEvent;
+use rand::SeedableRng;
+use rand::rngs::SmallRng;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+use std::time::{Duration, Instant};
+
+/// The fleet and the run's knobs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SimConfig {
+    pub workers: usize,
+    pub engine: EngineConfig,
+    /// How long an engine's KV events take to reach the router.
+    pub event_delay: Duration,
+    /// Seeds the policy's random choices (the same seed for every policy).
+    pub seed: u64,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        Self {
+            workers: 8,
+            engine: EngineConfig::default(),
+            event_delay: Duration::ZERO,
+            seed: 0,
+        }
+    }
+}
+
+impl SimConfig {
+    pub fn validate(&self) -> Result<(), SimError> {
+        if self.workers == 0 {
+            return Err(SimError::invalid("workers", "must be greater than 0"));
+        }
+        if u32::try_from(self.workers).is_err() {
+            return Err(SimError::invalid("workers", "must be at most 2^32 - 1"));
+        }
+        self.engine.validate()
+    }
+}
+
+/// What happened to one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RequestOutcome {
+    pub worker: Option<u32>,
+    pub arrival: Nanos,
+    pub first_token: Option<Nanos>,
+    pub finished: Option<Nanos>,
+    /// Prompt tokens served from the engine's prefix cache at first admission.
+    pub cached_tokens: u64,
+    pub prompt_tokens: u64,
+    /// Larger than any engine's KV pool: never routed.
+    pub rejected: bool,
+}
+
+/// The raw result of one policy's run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicyRun {
+    pub policy: String,
+    pub requests: Vec<RequestOutcome>,
+    pub engines: Vec<EngineCounters>,
+    pub router: RouterDiagnostics,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Event {
+    Arrival(RequestId),
+    StepStart(u32),
+    StepEnd(u32),
+    DeliverEvents(u32),
+}
+
+struct Queue {
+    heap: BinaryHeap<Reverse<(Nanos, u64, Event)>>,
+    next_sequence: u64,
+}
+
+impl Queue {
+    fn push(&mut self, at: Nanos, event: Event) {
+        self.heap.push(Reverse((at, self.next_sequence, event)));
+        self.next_sequence += 1;
+    }
+}
+
+/// Replays `workload` on `config.workers` simulated engines routed by `policy`.
+///
+/// `origin` is the `Instant` that virtual time 0 maps to (the core API takes `Instant`s); it is
+/// never compared with the wall clock. `progress` is called with the number of finished (or
+/// rejected) requests as the run advances.
+pub fn run_policy(
+    workload: &Workload,
+    config: &SimConfig,
+    policy: &Policy,
+    origin: Instant,
+    progress: &mut dyn FnMut(usize),
+) -> Result<PolicyRun, SimError> {
+    config.validate()?;
+    if workload.block_size != config.engine.block_size {
+        return Err(SimError::invalid(
+            "block-size",
+            format!(
+                "the workload was hashed with block size {} but the engines use {}",
+                workload.block_size, config.engine.block_size
+            ),
+        ));
+    }
+    let mut router = build_router(policy, config.workers, &config.engine)?;
+    let mut rng = SmallRng::seed_from_u64(config.seed);
+    let mut engines: Vec<Engine> = (0..config.workers)
+        .map(|_| Engine::new(config.engine))
+        .collect();
+    let mut wake_pending = vec![false; config.workers];
+    let mut delayed: Vec<VecDeque<Vec<KvEvent>>> = vec![VecDeque::new(); config.workers];
+    let delay_nanos = u64::try_from(config.event_delay.as_nanos()).unwrap_or(u64::MAX);
+    let requests = &workload.requests;
+    let mut outcomes: Vec<RequestOutcome> = requests
+        .iter()
+        .map(|r| RequestOutcome {
+            arrival: r.arrival_nanos,
+            prompt_tokens: r.prompt.isl_tokens,
+            ..RequestOutcome::default()
+        })
+        .collect();
+    let mut queue = Queue {
+        heap: BinaryHeap::with_capacity(requests.len() + 2 * config.workers),
+        next_sequence: 0,
+    };
+    for (i, r) in requests.iter().enumerate() {
+        let id = RequestId::try_from(i)
+            .map_err(|_| SimError::invalid("max-requests", "at most 2^32 - 1 requests"))?;
+        queue.push(r.arrival_nanos, Event::Arrival(id));
+    }
+    let mut done = 0usize;
+    let at = |t: Nanos| origin + Duration::from_nanos(t);
+
+    while let Some(Reverse((t, _, event))) = queue.heap.pop() {
+        let now = at(t);
+        match event {
+            Event::Arrival(id) => {
+                let request = &requests[id as usize];
+                if !config.engine.fits(request) {
+                    outcomes[id as usize].rejected = true;
+                    done += 1;
+                    progress(done);
+                    continue;
+                }
+                let w = router.route(id, &request.prompt, now, &mut rng)?;
+                let Some(engine) = engines.get_mut(w) else {
+                    return Err(SimError::Internal(format!(
+                        "policy {} chose worker {w} of {}",
+                        policy.name, config.workers
+                    )));
+                };
+                engine.submit(id, request);
+                outcomes[id as usize].worker = Some(w as u32);
+                if !engine.in_step() && !wake_pending[w] {
+                    wake_pending[w] = true;
+                    queue.push(t, Event::StepStart(w as u32));
+                }
+            }
+            Event::StepStart(w) => {
+                wake_pending[w as usize] = false;
+                start_step(&mut engines[w as usize], w, t, workload, &mut queue)?;
+            }
+            Event::StepEnd(w) => {
+                let report = engines[w as usize].finish_step();
+                for &(id, cached) in &report.first_admissions {
+                    outcomes[id as usize].cached_tokens = cached;
+                }
+                if !report.events.is_empty() {
+                    if delay_nanos == 0 {
+                        router.on_kv_events(w as usize, &report.events);
+                    } else {
+                        delayed[w as usize].push_back(report.events);
+                        queue.push(t.saturating_add(delay_nanos), Event::DeliverEvents(w));
+                    }
+                }
+                for &id in &report.first_tokens {
+                    outcomes[id as usize].first_token = Some(t);
+                    router.on_first_token(id, now)?;
+                }
+                for &id in &report.output_blocks {
+                    router.on_output_block(id, now)?;
+                }
+                for &id in &report.finished {
+                    outcomes[id as usize].finished = Some(t);
+                    router.on_finished(id, now)?;
+                    done += 1;
+                    progress(done);
+                }
+                start_step(&mut engines[w as usize], w, t, workload, &mut queue)?;
+            }
+            Event::DeliverEvents(w) => {
+                if let Some(events) = delayed[w as usize].pop_front() {
+                    router.on_kv_events(w as usize, &events);
+                }
+            }
+        }
+    }
+    if let Some((w, _)) = engines.iter().enumerate().find(|(_, e)| e.has_work()) {
+        return Err(SimError::Internal(format!(
+            "engine {w} stalled with requests left"
+        )));
+    }
+    Ok(PolicyRun {
+        policy: policy.name.to_string(),
+        requests: outcomes,
+        engines: engines.iter().map(Engine::counters).collect(),
+        router: router.diagnostics(),
+    })
+}
+
+fn start_step(
+    engine: &mut Engine,
+    w: u32,
+    t: Nanos,
+    workload: &Workload,
+    queue: &mut Queue,
+) -> Result<(), SimError> {
+    if engine.in_step() {
+        return Ok(());
+    }
+    match engine.start_step(&workload.requests)? {
+        Some(duration) => queue.push(t.saturating_add(duration), Event::StepEnd(w)),
+        None if engine.has_work() => {
+            return Err(SimError::Internal(format!(
+                "engine {w} has {} waiting and {} running requests but scheduled nothing",
+                engine.waiting_len(),
+                engine.running_len()
+            )));
+        }
+        None => {}
+    }
+    Ok(())
+}
