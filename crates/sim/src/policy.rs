@@ -18,6 +18,7 @@
 use crate::engine::EngineConfig;
 use crate::{RequestId, SimError};
 use hashbrown::HashMap;
+use kvroute_core::approx::CachePolicy;
 use kvroute_core::error::PartitionKey;
 use kvroute_core::event::{KvEvent, StoredBlock};
 use kvroute_core::hash::PromptHashes;
@@ -27,16 +28,6 @@ use rand::Rng;
 use rand::rngs::SmallRng;
 use std::collections::{BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
-
-/// Whether the approximate cache models (SPEC §9, `crates/core/src/approx`) are wired into the
-/// selector. Until they are, a worker registered without a KV-event endpoint has no cache model
-/// at all, and the `kvroute-approx-*` policies would only measure a cache-blind router.
-pub const APPROXIMATE_MODELS_AVAILABLE: bool = false;
-
-/// Why the approximate policies cannot run yet.
-pub const APPROXIMATE_UNAVAILABLE: &str = "needs the approximate cache models of SPEC §9 \
-     (crates/core/src/approx), which are not wired into the selector yet; it will run by \
-     registering the workers without kv_events_endpoint once they are";
 
 /// Settings of the SGLang-style cache-aware policy.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -78,6 +69,8 @@ pub struct SelectorPolicy {
     /// How long after a request's first token its predicted blocks stay (the event lag the
     /// operator expects).
     pub prediction_hold: Duration,
+    /// The selector's approximate cache model for workers without KV events.
+    pub approximate_policy: CachePolicy,
 }
 
 /// What a policy is.
@@ -106,6 +99,7 @@ pub fn dynamo_policy() -> SelectorPolicy {
         kv_events: true,
         predict_blocks_on_route: false,
         prediction_hold: Duration::ZERO,
+        approximate_policy: CachePolicy::Ttl,
     }
 }
 
@@ -139,13 +133,14 @@ pub fn kvroute_policy(event_delay: Duration) -> SelectorPolicy {
 
 /// Every policy, in report order, with `kvroute` configured as given (see [`kvroute_policy`]).
 pub fn catalog(kvroute: SelectorPolicy) -> Vec<Policy> {
-    let approx = |name| Policy {
+    let approx = |name, approximate_policy| Policy {
         name,
         kind: PolicyKind::Selector(SelectorPolicy {
             kv_events: false,
+            approximate_policy,
             ..dynamo_policy()
         }),
-        unavailable: (!APPROXIMATE_MODELS_AVAILABLE).then_some(APPROXIMATE_UNAVAILABLE),
+        unavailable: None,
     };
     vec![
         Policy {
@@ -178,8 +173,8 @@ pub fn catalog(kvroute: SelectorPolicy) -> Vec<Policy> {
             kind: PolicyKind::Selector(kvroute),
             unavailable: None,
         },
-        approx("kvroute-approx-ttl"),
-        approx("kvroute-approx-lru"),
+        approx("kvroute-approx-ttl", CachePolicy::Ttl),
+        approx("kvroute-approx-lru", CachePolicy::Lru),
     ]
 }
 
@@ -512,6 +507,8 @@ struct SelectorRouter {
     /// Predictions to withdraw once `now` passes their deadline, in deadline order.
     expiring: VecDeque<(Instant, RequestId)>,
     diagnostics: RouterDiagnostics,
+    /// When the selector's housekeeping (TTL expiry, lease reaper) last ran.
+    last_tick: Option<Instant>,
 }
 
 impl SelectorRouter {
@@ -522,6 +519,7 @@ impl SelectorRouter {
     ) -> Result<Self, SimError> {
         let mut selector = Selector::new(SelectorConfig {
             scheduler: config.scheduler,
+            approximate_policy: config.approximate_policy,
             ..SelectorConfig::default()
         });
         let partition = PartitionKey::new("sim", "default");
@@ -555,6 +553,7 @@ impl SelectorRouter {
             predictions: HashMap::new(),
             expiring: VecDeque::new(),
             diagnostics: RouterDiagnostics::default(),
+            last_tick: None,
         })
     }
 
@@ -600,6 +599,14 @@ impl Router for SelectorRouter {
         rng: &mut SmallRng,
     ) -> Result<usize, SimError> {
         self.withdraw_expired(now);
+        // The service ticks once a second; so does the simulated router.
+        if self
+            .last_tick
+            .is_none_or(|t| now.duration_since(t) >= Duration::from_secs(1))
+        {
+            self.selector.tick(now);
+            self.last_tick = Some(now);
+        }
         let reservation_id = format!("r{id}");
         let request = SelectRequest::new(&self.partition, Prompt::Hashes(prompt));
         let (selection, _) =
@@ -713,17 +720,19 @@ mod tests {
     }
 
     #[test]
-    fn approximate_policies_say_why_they_cannot_run() {
-        let all = resolve("kvroute-approx-lru", kvroute_policy(Duration::ZERO)).unwrap();
-        assert_eq!(all[0].unavailable.is_some(), !APPROXIMATE_MODELS_AVAILABLE);
-        if !APPROXIMATE_MODELS_AVAILABLE {
-            let err = build_router(&all[0], 2, &EngineConfig::default())
-                .err()
-                .unwrap();
-            assert!(
-                err.to_string().contains("approximate cache models"),
-                "{err}"
-            );
+    fn approximate_policies_run_without_kv_events() {
+        for (name, policy) in [
+            ("kvroute-approx-ttl", CachePolicy::Ttl),
+            ("kvroute-approx-lru", CachePolicy::Lru),
+        ] {
+            let all = resolve(name, kvroute_policy(Duration::ZERO)).unwrap();
+            assert!(all[0].unavailable.is_none());
+            let PolicyKind::Selector(config) = all[0].kind else {
+                panic!("{name} is selector-backed");
+            };
+            assert!(!config.kv_events);
+            assert_eq!(config.approximate_policy, policy);
+            assert!(build_router(&all[0], 2, &EngineConfig::default()).is_ok());
         }
     }
 
