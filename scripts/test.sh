@@ -1,7 +1,37 @@
 #!/usr/bin/env bash
-# Runs every kvroute test: Rust unit, property and integration tests (and, as they land, the
-# Python binding tests). This is the README's test command; .ci/run calls it.
+# Runs every kvroute test: Rust unit, property and integration tests, then the Python binding's
+# pytest suite. This is the README's test command; .ci/run calls it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo test --workspace --all-targets --locked
 cargo test --workspace --doc --locked
+
+# Python binding (crates/py): build the kvroute wheel with maturin (debug profile: quick to build,
+# and the tests do not need speed), install it into a virtualenv and run its pytest suite. The
+# virtualenv is $KVROUTE_PY_VENV or ./.venv when one exists there, else a new ./.venv.
+py_venv=""
+for candidate in "${KVROUTE_PY_VENV:-}" .venv; do
+    if [ -n "$candidate" ] && [ -x "$candidate/bin/python" ]; then
+        py_venv="$candidate"
+        break
+    fi
+done
+if [ -z "$py_venv" ]; then
+    py_venv=.venv
+    python3 -m venv "$py_venv"
+fi
+py="$(cd "$py_venv" && pwd)/bin/python"
+"$py" -m pip install --quiet --disable-pip-version-check \
+    maturin pytest pytest-asyncio pyzmq msgspec
+rm -rf target/py/wheels
+CARGO_TARGET_DIR=target/py "$py" -m maturin build --locked \
+    --manifest-path crates/py/Cargo.toml --out target/py/wheels
+"$py" -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps \
+    target/py/wheels/kvroute-*.whl
+pytest_status=0
+(cd crates/py && "$py" -m pytest -p no:cacheprovider) || pytest_status=$?
+if [ "$pytest_status" -ne 0 ]; then
+    # 5: pytest collected no tests, which must not pass for a green run either.
+    echo "crates/py pytest failed (exit $pytest_status)" >&2
+    exit "$pytest_status"
+fi
