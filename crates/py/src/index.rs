@@ -147,7 +147,10 @@ impl RadixIndex {
 #[pymethods]
 impl RadixIndex {
     #[new]
-    #[pyo3(signature = (*, max_blocks=DEFAULT_MAX_BLOCKS))]
+    #[pyo3(
+        signature = (*, max_blocks=DEFAULT_MAX_BLOCKS),
+        text_signature = "(*, max_blocks=4194304)"
+    )]
     fn new(max_blocks: usize) -> PyResult<Self> {
         if max_blocks == 0 {
             return Err(PyValueError::new_err("max_blocks must be at least 1"));

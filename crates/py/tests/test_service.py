@@ -215,6 +215,24 @@ async def test_lru_model_credits_a_repeated_prompt_until_others_push_it_out():
     svc.shutdown()
 
 
+async def test_patch_worker_and_engine_batches_as_bytes():
+    from vllm_events import encode, stored
+
+    svc = await with_workers(1, 2)
+    record = await svc.patch_worker(2, {"total_kv_blocks": 64, "data_parallel_size": 2})
+    assert (record["total_kv_blocks"], record["data_parallel_size"], record["lifecycle"]) == (64, 2, "schedulable")
+    prompt = tokens(16)
+    h = kvroute.block_hashes(prompt, 4)
+    # A vLLM batch naming dp rank 1 of worker 2: the batch's rank wins over the argument.
+    out = svc.apply_kv_events(2, encode([stored(h["sequence_hashes"], prompt)], data_parallel_rank=1))
+    assert (out["stored_blocks"], out["dp_rank"]) == (4, 1)
+    choice = await svc.select({"token_ids": prompt + [99]})
+    assert (choice["worker_id"], choice["dp_rank"], choice["overlap"]["gpu"]) == (2, 1, 16)
+    with pytest.raises(ValueError, match="events: "):
+        svc.apply_kv_events(2, b"not msgpack")
+    svc.shutdown()
+
+
 async def test_replay_survives_a_transient_worker_outage():
     svc = await with_workers(1, 2)
     r = await svc.select({"token_ids": tokens(9), "selection_id": "t", "pinned_worker": {"worker_id": 2}})

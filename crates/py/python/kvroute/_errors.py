@@ -30,3 +30,8 @@ class InvalidRequestError(SelectionServiceError, ValueError):
     """A 400: the request is well-formed but invalid (no prompt, empty ``token_ids``, an id over
     1,024 bytes, ``effective_prefill_tokens`` above ``isl_tokens``, ``decay_fraction`` outside
     [0, 1], ...). Also a ``ValueError``, as Dynamo raises for the same failures."""
+
+
+# Shown and pickled as kvroute.SelectionServiceError, where users import them from.
+SelectionServiceError.__module__ = "kvroute"
+InvalidRequestError.__module__ = "kvroute"
