@@ -685,8 +685,8 @@ impl Walk {
                         }
                     }
                 }
-                for t in 0..3 {
-                    if kept[t] == self.count[t] {
+                for (t, &kept_t) in kept.iter().enumerate() {
+                    if kept_t == self.count[t] {
                         continue;
                     }
                     let mut fresh = vec![0u64; self.hi - self.lo];
