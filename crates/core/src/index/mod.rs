@@ -10,40 +10,67 @@
 //! - **rank slot**: a dense, partition-local number for each rank, so holder sets can be bitsets.
 //!
 //! ## Operations and costs
-//! - `apply(rank, event)`: O(blocks) hash-map operations. Stores are reference counted per
+//! - `apply(rank, event)`: O(blocks) hash-table operations. Stores are reference counted per
 //!   `(rank, tier, engine hash)`; a block leaves a rank's tier when removed as often as stored.
-//! - `find_matches(sequence_hashes)`: one hash lookup per prompt block (independent lookups, so
-//!   the processor overlaps their cache misses), plus per block O(min(holders, ranks/64)) work to
-//!   intersect the set of ranks still matching. It stops at the first block nobody holds.
+//!   The blocks of a `Stored` event are looked up a chunk at a time before they are stored, so
+//!   the processor overlaps their cache misses.
+//! - `find_matches(sequence_hashes)`: one hash lookup per prompt block (a chunk at a time, for the
+//!   same reason), plus per block the work to intersect the set of ranks still matching with its
+//!   holders (module `walk`): O(ranks / 64) word operations while many ranks match, O(matching
+//!   ranks) once few do. It stops at the first block nobody still matching holds.
 //! - Memory is bounded by `max_blocks` nodes per index (one index per partition): past it the
 //!   oldest nodes are evicted, counted in the outcome.
 //!
+//! ## Memory (about 45 bytes per `(block, rank)` pair at 1,000 ranks, 60 at 8 on the Mooncake
+//! trace; [`RadixIndex::memory_bytes`] counts every table and vector at its capacity)
+//! - A node is 32 bytes: its sequence and local hashes, the low half of its parent's sequence
+//!   hash (enough to find the parent again for [`RadixIndex::dump`], verified by re-chaining), and
+//!   a 12-byte holder set that keeps up to three holders inline (module `holders`); larger sets
+//!   live in an arena. Nodes live in fixed-size chunks, so the node store never over-allocates by
+//!   more than one chunk.
+//! - `sequence hash → node` is a table of 4-byte node numbers (the key is read from the node).
+//! - Each rank maps engine hash → 12-byte entry: node number, the tiers it holds, and a flag when
+//!   some tier was stored more than once (exact counts then live in a small side table).
+//! - The creation order (for eviction) is 4 bytes a node.
+//!
 //! ## Invariants
-//! - A node exists iff some rank holds it on some tier; its holder set is exact per tier.
-//! - A rank's entry for an engine hash points at one node and carries a store count per tier; the
+//! - A node is live iff some rank holds it on some tier; its holder set is exact per tier.
+//! - A rank's entry for an engine hash points at one node and holds a store count per tier; the
 //!   holder bit of that tier is set iff the count of some entry of that rank on that node is > 0.
 //!   Two engine hashes of one rank on the same node ("aliases") are counted in `alias_counts`.
+//! - A freed node slot is not reused while anything may still point at it: it waits among the
+//!   dead until a purge has dropped the rank entries left pointing at it by an eviction (stale
+//!   entries) and its creation-order record. So an entry pointing at a dead node is known stale,
+//!   and no generation numbers are needed.
 //! - Overlap is contiguous from the first block: a rank's overlap on a tier is the depth of the
 //!   first prompt block it does not hold there (tiers cumulative: device ⊆ host ⊆ disk).
 
 mod holders;
 pub mod reference;
+mod walk;
 
 use crate::event::{KvEvent, Rank, StoredBlock, Tier};
 use crate::hash::chain;
-use hashbrown::HashMap;
-use holders::{Holders, TierMask, entry_mask, entry_slot};
+use hashbrown::hash_table::Entry;
+use hashbrown::{DefaultHashBuilder, HashMap, HashTable};
+use holders::{ALLOCATION_OVERHEAD, HolderArena, Holders, TierMask};
 use std::collections::VecDeque;
+use std::hash::BuildHasher;
+use walk::Walk;
 
 /// Default cap on indexed blocks (nodes) per partition.
 pub const DEFAULT_MAX_BLOCKS: usize = 1 << 22;
 
-/// Marks a free node slot.
-const FREE_GENERATION_BIT: u32 = 1 << 31;
+/// Hard cap on indexed blocks whatever the configuration (node numbers have 28 bits, and dead
+/// slots waiting for a purge add up to a quarter).
+const MAX_LIVE_NODES: usize = 1 << 26;
+/// Node slots that node numbers can address (28 bits in a rank's entry).
+const NODE_SLOT_LIMIT: u32 = 1 << 28;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct IndexConfig {
-    /// Cap on distinct indexed blocks; the oldest are evicted beyond it.
+    /// Cap on distinct indexed blocks; the oldest are evicted beyond it. Values above 2^26 act
+    /// as 2^26.
     pub max_blocks: usize,
 }
 
@@ -115,63 +142,175 @@ impl Matches {
     }
 }
 
-#[derive(Debug, Clone)]
+/// One indexed block. 32 bytes, aligned so that a node never straddles two cache lines.
+#[derive(Debug, Clone, Copy, Default)]
+#[repr(align(32))]
 struct Node {
     sequence_hash: u64,
     local_hash: u64,
-    /// Sequence hash of the parent block; meaningful only when `depth > 0`.
-    parent_sequence_hash: u64,
-    depth: u32,
-    /// Bumped each time the slot is reused; `FREE_GENERATION_BIT` marks a free slot.
-    generation: u32,
+    /// Low 32 bits of the parent's sequence hash (meaningless for a first block, whose sequence
+    /// hash equals its local hash). Enough to find the parent among a rank's blocks; the match is
+    /// verified with [`chain`].
+    parent_tag: u32,
+    /// Empty iff the node is dead (freed) or not yet filled in.
     holders: Holders,
 }
 
-/// A rank's reference to one node, under one engine hash.
-#[derive(Debug, Clone, Copy)]
-struct BlockRef {
-    node: u32,
-    generation: u32,
-    /// Store counts per tier (device, host, disk).
-    counts: [u16; 3],
+/// Nodes per chunk of the node store.
+const CHUNK_BITS: u32 = 10;
+const CHUNK: usize = 1 << CHUNK_BITS;
+
+/// Node slots in fixed-size chunks: growing never copies nodes nor doubles the allocation.
+#[derive(Debug, Default)]
+struct Nodes {
+    /// Chunks of `CHUNK` slots each (allocated at that capacity, filled by pushing).
+    chunks: Vec<Vec<Node>>,
+    len: u32,
 }
 
-impl BlockRef {
-    fn mask(&self) -> TierMask {
-        let mut mask = 0;
-        for (t, &c) in self.counts.iter().enumerate() {
-            if c > 0 {
-                mask |= 1 << t;
+impl Nodes {
+    #[inline]
+    fn get(&self, node: u32) -> &Node {
+        &self.chunks[(node >> CHUNK_BITS) as usize][node as usize & (CHUNK - 1)]
+    }
+
+    #[inline]
+    fn get_mut(&mut self, node: u32) -> &mut Node {
+        &mut self.chunks[(node >> CHUNK_BITS) as usize][node as usize & (CHUNK - 1)]
+    }
+
+    #[inline]
+    fn is_live(&self, node: u32) -> bool {
+        !self.get(node).holders.is_empty()
+    }
+
+    /// Puts a node in a fresh (never used) slot.
+    fn push(&mut self, node: Node) -> u32 {
+        match self.chunks.last_mut() {
+            Some(chunk) if chunk.len() < CHUNK => chunk.push(node),
+            _ => {
+                let mut chunk = Vec::with_capacity(CHUNK);
+                chunk.push(node);
+                self.chunks.push(chunk);
             }
         }
-        mask
+        self.len += 1;
+        self.len - 1
+    }
+
+    fn memory_bytes(&self) -> usize {
+        self.chunks
+            .iter()
+            .map(|c| c.capacity() * std::mem::size_of::<Node>() + ALLOCATION_OVERHEAD)
+            .sum::<usize>()
+            + self.chunks.capacity() * std::mem::size_of::<Vec<Node>>()
+    }
+}
+
+/// A rank's entry for one engine hash (12 bytes): the node, the tiers it is stored on, and
+/// whether some tier was stored more than once (its exact counts are then in
+/// [`RankSlot::counts`]).
+#[derive(Debug, Clone, Copy)]
+struct BlockRef {
+    engine_hash: [u32; 2],
+    /// `node << 4 | multi << 3 | tier mask`.
+    packed: u32,
+}
+
+const REF_NODE_SHIFT: u32 = 4;
+const REF_MULTI: u32 = 1 << 3;
+const REF_MASK: u32 = 0b111;
+
+impl BlockRef {
+    fn new(engine_hash: u64, node: u32, mask: TierMask) -> Self {
+        Self {
+            engine_hash: [engine_hash as u32, (engine_hash >> 32) as u32],
+            packed: (node << REF_NODE_SHIFT) | u32::from(mask),
+        }
+    }
+
+    #[inline]
+    fn engine_hash(&self) -> u64 {
+        u64::from(self.engine_hash[0]) | (u64::from(self.engine_hash[1]) << 32)
+    }
+
+    #[inline]
+    fn node(&self) -> u32 {
+        self.packed >> REF_NODE_SHIFT
+    }
+
+    #[inline]
+    fn mask(&self) -> TierMask {
+        (self.packed & REF_MASK) as TierMask
+    }
+
+    #[inline]
+    fn multi(&self) -> bool {
+        self.packed & REF_MULTI != 0
+    }
+
+    fn set_mask(&mut self, mask: TierMask) {
+        self.packed = (self.packed & !REF_MASK) | u32::from(mask);
+    }
+
+    fn set_multi(&mut self, multi: bool) {
+        if multi {
+            self.packed |= REF_MULTI;
+        } else {
+            self.packed &= !REF_MULTI;
+        }
     }
 }
 
 #[derive(Debug, Default)]
 struct RankSlot {
     rank: Option<Rank>,
-    blocks: HashMap<u64, BlockRef>,
+    blocks: HashTable<BlockRef>,
+    /// Exact per-tier store counts of the entries flagged `multi` (some tier stored twice or
+    /// more; rare). Counts saturate at `u32::MAX`.
+    counts: HashMap<u64, [u32; 3]>,
     /// For nodes referenced by two or more engine hashes of this rank ("aliases"; almost never):
     /// per tier the number of those entries holding the tier, then the number of entries.
-    alias_counts: HashMap<u32, [u16; 4]>,
-    /// Entries in `blocks` that point at evicted nodes; compacted when they pile up.
+    alias_counts: HashMap<u32, [u32; 4]>,
+    /// Entries in `blocks` that point at evicted (dead) nodes; dropped by the next purge.
     stale: usize,
+}
+
+/// Bytes of a hashbrown table of `capacity` (as reported by the table) with `entry`-byte
+/// entries: buckets, control bytes and the allocation.
+fn table_bytes(capacity: usize, entry: usize) -> usize {
+    if capacity == 0 {
+        return 0;
+    }
+    let buckets = if capacity < 8 {
+        capacity + 1
+    } else {
+        capacity / 7 * 8
+    };
+    (entry * buckets).next_multiple_of(16) + buckets + 16 + ALLOCATION_OVERHEAD
 }
 
 /// The prefix index of one partition.
 #[derive(Debug, Default)]
 pub struct RadixIndex {
     config: IndexConfig,
-    nodes: Vec<Node>,
+    hasher: DefaultHashBuilder,
+    nodes: Nodes,
+    arena: HolderArena,
+    /// The live nodes' numbers, hashed by sequence hash (read from the node).
+    by_sequence: HashTable<u32>,
+    /// Slots free for reuse.
     free_nodes: Vec<u32>,
-    by_sequence: HashMap<u64, u32>,
+    /// Freed slots waiting for a purge before reuse (see the module invariants).
+    dead_nodes: Vec<u32>,
+    /// Whether an eviction since the last purge may have left stale rank entries.
+    stale_entries: bool,
     slots: Vec<RankSlot>,
     slot_of: HashMap<Rank, u32>,
     free_slots: Vec<u32>,
-    /// Node creation order, for evicting the oldest past the cap. May hold entries of freed
-    /// nodes (skipped by generation); compacted when it exceeds twice the live nodes.
-    creation_order: VecDeque<(u32, u32)>,
+    /// Node creation order, for evicting the oldest past the cap. Also holds records of dead
+    /// nodes (skipped), dropped by the purge that recycles them.
+    creation_order: VecDeque<u32>,
     live_nodes: usize,
 }
 
@@ -201,7 +340,7 @@ impl RadixIndex {
     pub fn ranks(&self) -> Vec<Rank> {
         self.slots
             .iter()
-            .filter(|s| !s.blocks.is_empty())
+            .filter(|s| s.blocks.len() > s.stale)
             .filter_map(|s| s.rank)
             .collect()
     }
@@ -211,6 +350,10 @@ impl RadixIndex {
         self.slot_of.get(&rank).map_or(0, |&s| {
             self.slots[s as usize].blocks.len() - self.slots[s as usize].stale
         })
+    }
+
+    fn max_live_nodes(&self) -> usize {
+        self.config.max_blocks.min(MAX_LIVE_NODES)
     }
 
     fn slot_for(&mut self, rank: Rank) -> Option<u32> {
@@ -231,12 +374,6 @@ impl RadixIndex {
         self.slots[slot as usize].rank = Some(rank);
         self.slot_of.insert(rank, slot);
         Some(slot)
-    }
-
-    fn node_is_live(&self, node: u32, generation: u32) -> bool {
-        self.nodes
-            .get(node as usize)
-            .is_some_and(|n| n.generation == generation)
     }
 
     /// Applies one event of one rank.
@@ -286,6 +423,17 @@ impl RadixIndex {
         outcome
     }
 
+    /// The live entry of `slot` for an engine hash.
+    fn live_entry(&self, slot: u32, engine_hash: u64) -> Option<BlockRef> {
+        self.slots[slot as usize]
+            .blocks
+            .find(self.hasher.hash_one(engine_hash), |e| {
+                e.engine_hash() == engine_hash
+            })
+            .copied()
+            .filter(|e| self.nodes.is_live(e.node()))
+    }
+
     fn store(
         &mut self,
         slot: u32,
@@ -294,129 +442,229 @@ impl RadixIndex {
         tier: Tier,
         outcome: &mut ApplyOutcome,
     ) {
-        let (mut previous, mut depth) = match parent {
-            None => (None, 0u32),
-            Some(parent_hash) => {
-                let parent_ref = self.slots[slot as usize].blocks.get(&parent_hash).copied();
-                match parent_ref {
-                    Some(r) if self.node_is_live(r.node, r.generation) => {
-                        let node = &self.nodes[r.node as usize];
-                        (Some(node.sequence_hash), node.depth + 1)
-                    }
-                    _ => {
-                        outcome.parent_block_not_found += 1;
-                        return;
-                    }
+        let mut previous = match parent {
+            None => None,
+            Some(parent_hash) => match self.live_entry(slot, parent_hash) {
+                Some(r) => Some(self.nodes.get(r.node()).sequence_hash),
+                None => {
+                    outcome.parent_block_not_found += 1;
+                    return;
                 }
-            }
+            },
         };
         let t = tier.index();
-        for block in blocks {
-            let sequence_hash = match previous {
-                None => block.local_hash,
-                Some(p) => chain(p, block.local_hash),
-            };
-            let node = self.node_for(sequence_hash, block.local_hash, previous, depth);
-            let generation = self.nodes[node as usize].generation;
-            let existing = self.slots[slot as usize]
-                .blocks
-                .get(&block.engine_hash)
-                .copied();
-            match existing {
-                Some(r) if r.node == node && r.generation == generation => {
-                    if let Some(entry) =
-                        self.slots[slot as usize].blocks.get_mut(&block.engine_hash)
-                    {
-                        entry.counts[t] = entry.counts[t].saturating_add(1);
-                        if entry.counts[t] == 1 {
-                            let mask = entry.mask();
-                            let mut transitions = [0i8; 3];
-                            transitions[t] = 1;
-                            self.update_presence(slot, node, transitions, mask, 0);
-                        }
-                    }
+        let mut sequence_hashes = [0u64; STORE_CHUNK];
+        let mut keys = [(0u64, 0u64); STORE_CHUNK];
+        for chunk in blocks.chunks(STORE_CHUNK) {
+            // Warm up: chain the chunk's sequence hashes, then look every block up in both
+            // tables back to back, so that their cache misses overlap rather than queue behind
+            // each block's bookkeeping. The stores below then find the lines in cache.
+            let mut chained = previous;
+            for ((s, k), block) in sequence_hashes.iter_mut().zip(&mut keys).zip(chunk) {
+                *s = chained.map_or(block.local_hash, |p| chain(p, block.local_hash));
+                *k = (
+                    self.hasher.hash_one(*s),
+                    self.hasher.hash_one(block.engine_hash),
+                );
+                chained = Some(*s);
+            }
+            let nodes = &self.nodes;
+            let blocks_of_rank = &self.slots[slot as usize].blocks;
+            let mut warm = 0u64;
+            for ((&s, &(node_key, engine_key)), block) in
+                sequence_hashes.iter().zip(&keys).zip(chunk)
+            {
+                if let Some(&n) = self
+                    .by_sequence
+                    .find(node_key, |&n| nodes.get(n).sequence_hash == s)
+                {
+                    warm ^= u64::from(n);
                 }
-                other => {
-                    if let Some(old) = other {
-                        self.slots[slot as usize].blocks.remove(&block.engine_hash);
-                        if self.node_is_live(old.node, old.generation) {
-                            outcome.engine_hash_conflicts += 1;
-                            self.release_entry(slot, old);
-                        } else {
-                            self.slots[slot as usize].stale =
-                                self.slots[slot as usize].stale.saturating_sub(1);
-                        }
-                    }
-                    let held = self.nodes[node as usize].holders.mask_of(slot);
-                    let rank_slot = &mut self.slots[slot as usize];
-                    if held != 0 && !rank_slot.alias_counts.contains_key(&node) {
-                        // A second engine hash of this rank for the same block: from now on
-                        // count this node's entries explicitly.
-                        let mut counts = [0u16; 4];
-                        for (i, c) in counts.iter_mut().take(3).enumerate() {
-                            *c = u16::from(held & (1 << i) != 0);
-                        }
-                        counts[3] = 1;
-                        rank_slot.alias_counts.insert(node, counts);
-                    }
-                    let mut counts = [0u16; 3];
-                    counts[t] = 1;
-                    let entry = BlockRef {
-                        node,
-                        generation,
-                        counts,
-                    };
-                    rank_slot.blocks.insert(block.engine_hash, entry);
-                    let mut transitions = [0i8; 3];
-                    transitions[t] = 1;
-                    self.update_presence(slot, node, transitions, entry.mask(), 1);
+                let e = block.engine_hash;
+                if let Some(r) = blocks_of_rank.find(engine_key, |r| r.engine_hash() == e) {
+                    warm ^= u64::from(r.packed);
                 }
             }
-            outcome.stored_blocks += 1;
-            previous = Some(sequence_hash);
-            depth += 1;
+            std::hint::black_box(warm);
+            for ((&sequence_hash, &key), block) in sequence_hashes.iter().zip(&keys).zip(chunk) {
+                self.store_block(slot, (sequence_hash, key), block, previous, t, outcome);
+                previous = Some(sequence_hash);
+            }
         }
     }
 
+    /// Stores one block of a `Stored` event whose sequence hash (chained under `previous`) is
+    /// known, with the table hashes of that sequence hash and of the block's engine hash.
+    #[inline]
+    fn store_block(
+        &mut self,
+        slot: u32,
+        (sequence_hash, (node_key, hash)): (u64, (u64, u64)),
+        block: &StoredBlock,
+        previous: Option<u64>,
+        t: usize,
+        outcome: &mut ApplyOutcome,
+    ) {
+        let bit: TierMask = 1 << t;
+        let mut transitions = [0i8; 3];
+        transitions[t] = 1;
+        let node = self.node_for(sequence_hash, node_key, block.local_hash, previous, outcome);
+        let engine_hash = block.engine_hash;
+        let hasher = &self.hasher;
+        let rank_slot = &mut self.slots[slot as usize];
+        let presence = match rank_slot.blocks.entry(
+            hash,
+            |e| e.engine_hash() == engine_hash,
+            |e| hasher.hash_one(e.engine_hash()),
+        ) {
+            Entry::Occupied(mut occupied) => {
+                let entry = *occupied.get();
+                if entry.node() == node {
+                    // Stored again (a dead node is never the one just looked up, so the
+                    // entry is live): raise the count.
+                    let mask = entry.mask();
+                    if entry.multi() {
+                        let counts = rank_slot.counts.entry(engine_hash).or_default();
+                        counts[t] = counts[t].saturating_add(1);
+                    } else if mask & bit != 0 {
+                        let mut counts = [0u32; 3];
+                        for (i, c) in counts.iter_mut().enumerate() {
+                            *c = u32::from(mask & (1 << i) != 0);
+                        }
+                        counts[t] = 2;
+                        rank_slot.counts.insert(engine_hash, counts);
+                        occupied.get_mut().set_multi(true);
+                    }
+                    if mask & bit == 0 {
+                        occupied.get_mut().set_mask(mask | bit);
+                        Some((mask | bit, 0))
+                    } else {
+                        None
+                    }
+                } else {
+                    // Re-pointed to another block, or left stale by an eviction.
+                    let (old, _) = occupied.remove();
+                    if old.multi() {
+                        rank_slot.counts.remove(&engine_hash);
+                    }
+                    if self.nodes.is_live(old.node()) {
+                        outcome.engine_hash_conflicts += 1;
+                        self.release_entry(slot, old);
+                    } else {
+                        rank_slot.stale = rank_slot.stale.saturating_sub(1);
+                    }
+                    self.insert_entry(slot, node, engine_hash, hash, bit);
+                    Some((bit, 1))
+                }
+            }
+            Entry::Vacant(vacant) => {
+                vacant.insert(BlockRef::new(engine_hash, node, bit));
+                let held = self.nodes.get(node).holders.mask_of(&self.arena, slot);
+                if held != 0 {
+                    note_alias(rank_slot, node, held);
+                }
+                Some((bit, 1))
+            }
+        };
+        if let Some((entry_mask, entry_delta)) = presence {
+            self.update_presence(slot, node, transitions, entry_mask, entry_delta);
+        }
+        outcome.stored_blocks += 1;
+    }
+
+    /// Adds a fresh entry (count 1 on the tier `bit`) of `slot` for `node`; the caller updates
+    /// the node's holders.
+    fn insert_entry(&mut self, slot: u32, node: u32, engine_hash: u64, hash: u64, bit: TierMask) {
+        let held = self.nodes.get(node).holders.mask_of(&self.arena, slot);
+        let hasher = &self.hasher;
+        let rank_slot = &mut self.slots[slot as usize];
+        rank_slot
+            .blocks
+            .insert_unique(hash, BlockRef::new(engine_hash, node, bit), |e| {
+                hasher.hash_one(e.engine_hash())
+            });
+        if held != 0 {
+            note_alias(rank_slot, node, held);
+        }
+    }
+
+    /// The live node for a sequence hash (whose `by_sequence` hash is `hash`), created (without
+    /// holders) when absent.
     fn node_for(
         &mut self,
         sequence_hash: u64,
+        hash: u64,
         local_hash: u64,
         parent: Option<u64>,
-        depth: u32,
+        outcome: &mut ApplyOutcome,
     ) -> u32 {
-        if let Some(&node) = self.by_sequence.get(&sequence_hash) {
+        let nodes = &self.nodes;
+        if let Some(&node) = self
+            .by_sequence
+            .find(hash, |&n| nodes.get(n).sequence_hash == sequence_hash)
+        {
             return node;
         }
-        let fresh = Node {
-            sequence_hash,
-            local_hash,
-            parent_sequence_hash: parent.unwrap_or(0),
-            depth,
-            generation: 0,
-            holders: Holders::default(),
-        };
-        let node = match self.free_nodes.pop() {
-            Some(node) => {
-                let slot = &mut self.nodes[node as usize];
-                let generation =
-                    (slot.generation & !FREE_GENERATION_BIT).wrapping_add(1) & !FREE_GENERATION_BIT;
-                *slot = Node {
-                    generation,
-                    ..fresh
-                };
-                node
-            }
-            None => {
-                self.nodes.push(fresh);
-                (self.nodes.len() - 1) as u32
-            }
-        };
-        self.by_sequence.insert(sequence_hash, node);
-        self.creation_order
-            .push_back((node, self.nodes[node as usize].generation));
+        let node = self.alloc_node(
+            Node {
+                sequence_hash,
+                local_hash,
+                parent_tag: parent.map_or(0, |p| p as u32),
+                holders: Holders::default(),
+            },
+            outcome,
+        );
+        if self.by_sequence.len() == self.by_sequence.capacity() {
+            self.grow_by_sequence();
+        }
+        let nodes = &self.nodes;
+        let hasher = &self.hasher;
+        self.by_sequence
+            .insert_unique(hash, node, |&n| hasher.hash_one(nodes.get(n).sequence_hash));
+        let order = &mut self.creation_order;
+        if order.len() == order.capacity() {
+            // Grow by a quarter rather than doubling: this queue holds one record per node.
+            order.reserve_exact(order.capacity() / 4 + 1024);
+        }
+        order.push_back(node);
         self.live_nodes += 1;
         node
+    }
+
+    /// Doubles `by_sequence` by re-inserting the live nodes in node order: a rehash would read
+    /// each entry's node (for its key) in random order, a cache miss per entry.
+    fn grow_by_sequence(&mut self) {
+        let nodes = &self.nodes;
+        let hasher = &self.hasher;
+        let hash_of = |&n: &u32| hasher.hash_one(nodes.get(n).sequence_hash);
+        let mut grown = HashTable::with_capacity((self.by_sequence.capacity() * 2).max(64));
+        // Every live node is in the table (a node being created has no holders yet).
+        for n in (0..nodes.len).filter(|&n| nodes.is_live(n)) {
+            grown.insert_unique(hash_of(&n), n, hash_of);
+        }
+        self.by_sequence = grown;
+    }
+
+    /// Puts a new node in a free slot (or a fresh one).
+    fn alloc_node(&mut self, node: Node, outcome: &mut ApplyOutcome) -> u32 {
+        if self.free_nodes.is_empty() && self.dead_nodes.len() >= (self.live_nodes / 4).max(1024) {
+            self.purge();
+        }
+        if self.free_nodes.is_empty() && self.nodes.len >= NODE_SLOT_LIMIT {
+            // Only reachable when a single event stores hundreds of millions of blocks: make
+            // room by evicting the oldest blocks now rather than after the event.
+            while self.dead_nodes.is_empty() && self.evict_oldest() {
+                outcome.evicted_blocks += 1;
+            }
+            self.purge();
+        }
+        match self.free_nodes.pop() {
+            Some(slot) => {
+                *self.nodes.get_mut(slot) = node;
+                slot
+            }
+            None => self.nodes.push(node),
+        }
     }
 
     /// Records that one entry of `slot` on `node` changed which tiers it holds (`transitions`:
@@ -432,25 +680,29 @@ impl RadixIndex {
     ) {
         let rank_slots = self.slots.len();
         let rank_slot = &mut self.slots[slot as usize];
-        let mask = match rank_slot.alias_counts.get_mut(&node) {
-            Some(counts) => {
-                let mut mask = 0;
-                for (t, &d) in transitions.iter().enumerate() {
-                    counts[t] = counts[t].saturating_add_signed(i16::from(d));
-                    if counts[t] > 0 {
-                        mask |= 1 << t;
+        let mask = if rank_slot.alias_counts.is_empty() {
+            entry_mask
+        } else {
+            match rank_slot.alias_counts.get_mut(&node) {
+                Some(counts) => {
+                    let mut mask = 0;
+                    for (t, &d) in transitions.iter().enumerate() {
+                        counts[t] = counts[t].saturating_add_signed(i32::from(d));
+                        if counts[t] > 0 {
+                            mask |= 1 << t;
+                        }
                     }
+                    counts[3] = counts[3].saturating_add_signed(i32::from(entry_delta));
+                    if counts[3] == 0 {
+                        rank_slot.alias_counts.remove(&node);
+                    }
+                    mask
                 }
-                counts[3] = counts[3].saturating_add_signed(i16::from(entry_delta));
-                if counts[3] == 0 {
-                    rank_slot.alias_counts.remove(&node);
-                }
-                mask
+                None => entry_mask,
             }
-            None => entry_mask,
         };
-        let n = &mut self.nodes[node as usize];
-        n.holders.set_mask(slot, mask, rank_slots);
+        let n = self.nodes.get_mut(node);
+        n.holders.set_mask(&mut self.arena, slot, mask, rank_slots);
         if n.holders.is_empty() {
             self.free_node(node);
         }
@@ -459,77 +711,97 @@ impl RadixIndex {
     /// Takes a (live) entry that was just removed from the rank's map out of its node.
     fn release_entry(&mut self, slot: u32, entry: BlockRef) {
         let mut transitions = [0i8; 3];
-        for (t, &c) in entry.counts.iter().enumerate() {
-            if c > 0 {
-                transitions[t] = -1;
+        for (t, tr) in transitions.iter_mut().enumerate() {
+            if entry.mask() & (1 << t) != 0 {
+                *tr = -1;
             }
         }
-        self.update_presence(slot, entry.node, transitions, 0, -1);
+        self.update_presence(slot, entry.node(), transitions, 0, -1);
     }
 
     fn remove_one(&mut self, slot: u32, engine_hash: u64, tier: Tier, outcome: &mut ApplyOutcome) {
         let t = tier.index();
-        let Some(entry) = self.slots[slot as usize].blocks.get(&engine_hash).copied() else {
+        let bit: TierMask = 1 << t;
+        let hash = self.hasher.hash_one(engine_hash);
+        let nodes = &self.nodes;
+        let RankSlot {
+            blocks,
+            counts,
+            stale,
+            ..
+        } = &mut self.slots[slot as usize];
+        let Ok(mut occupied) = blocks.find_entry(hash, |e| e.engine_hash() == engine_hash) else {
             outcome.unknown_removed_blocks += 1;
             return;
         };
-        if !self.node_is_live(entry.node, entry.generation) {
+        let entry = *occupied.get();
+        if !nodes.is_live(entry.node()) {
             // The block was evicted by the cap; forget the stale entry.
-            let rank_slot = &mut self.slots[slot as usize];
-            rank_slot.blocks.remove(&engine_hash);
-            rank_slot.stale = rank_slot.stale.saturating_sub(1);
+            occupied.remove();
+            if entry.multi() {
+                counts.remove(&engine_hash);
+            }
+            *stale = stale.saturating_sub(1);
             outcome.unknown_removed_blocks += 1;
             return;
         }
-        if entry.counts[t] == 0 {
+        let mask = entry.mask();
+        if mask & bit == 0 {
             outcome.unknown_removed_blocks += 1;
             return;
         }
         outcome.removed_blocks += 1;
-        let mut updated = entry;
-        updated.counts[t] -= 1;
-        if updated.counts[t] > 0 {
-            if let Some(e) = self.slots[slot as usize].blocks.get_mut(&engine_hash) {
-                *e = updated;
+        let mut tier_left = true;
+        if entry.multi() {
+            let mut single = true;
+            if let Some(c) = counts.get_mut(&engine_hash) {
+                c[t] -= 1;
+                tier_left = c[t] == 0;
+                single = c.iter().all(|&x| x <= 1);
             }
+            if single {
+                counts.remove(&engine_hash);
+                occupied.get_mut().set_multi(false);
+            }
+        }
+        if !tier_left {
             return;
         }
-        let mut transitions = [0i8; 3];
-        transitions[t] = -1;
-        let mask = updated.mask();
+        let mask = mask & !bit;
         let entry_delta = if mask == 0 {
-            self.slots[slot as usize].blocks.remove(&engine_hash);
+            occupied.remove();
             -1
         } else {
-            if let Some(e) = self.slots[slot as usize].blocks.get_mut(&engine_hash) {
-                *e = updated;
-            }
+            occupied.get_mut().set_mask(mask);
             0
         };
-        self.update_presence(slot, entry.node, transitions, mask, entry_delta);
+        let mut transitions = [0i8; 3];
+        transitions[t] = -1;
+        self.update_presence(slot, entry.node(), transitions, mask, entry_delta);
     }
 
     fn clear_slot(&mut self, slot: u32) {
         let rank_slots = self.slots.len();
-        let blocks = std::mem::take(&mut self.slots[slot as usize].blocks);
-        for entry in blocks.values() {
-            if !self.node_is_live(entry.node, entry.generation) {
+        let mut blocks = std::mem::take(&mut self.slots[slot as usize].blocks);
+        for entry in blocks.iter() {
+            let node = entry.node();
+            if !self.nodes.is_live(node) {
                 continue;
             }
-            let n = &mut self.nodes[entry.node as usize];
-            n.holders.set_mask(slot, 0, rank_slots);
+            let n = self.nodes.get_mut(node);
+            n.holders.set_mask(&mut self.arena, slot, 0, rank_slots);
             if n.holders.is_empty() {
-                self.free_node(entry.node);
+                self.free_node(node);
             }
         }
         let rank_slot = &mut self.slots[slot as usize];
         rank_slot.alias_counts = HashMap::new();
+        rank_slot.counts = HashMap::new();
         rank_slot.stale = 0;
         // Keep the allocation when it is modest: a cleared rank usually fills up again.
-        let mut blocks = blocks;
         blocks.clear();
         if blocks.capacity() > 4096 {
-            blocks = HashMap::new();
+            blocks = HashTable::new();
         }
         rank_slot.blocks = blocks;
     }
@@ -543,7 +815,7 @@ impl RadixIndex {
         self.clear_slot(slot);
         let rank_slot = &mut self.slots[slot as usize];
         rank_slot.rank = None;
-        rank_slot.blocks = HashMap::new();
+        rank_slot.blocks = HashTable::new();
         self.free_slots.push(slot);
         held
     }
@@ -559,254 +831,153 @@ impl RadixIndex {
         ranks.into_iter().map(|r| self.remove_rank(r)).sum()
     }
 
+    /// Frees a node whose holder set is (or has just been made) empty.
     fn free_node(&mut self, node: u32) {
-        let n = &mut self.nodes[node as usize];
-        if n.generation & FREE_GENERATION_BIT != 0 {
-            return;
+        let n = self.nodes.get_mut(node);
+        n.holders.clear(&mut self.arena);
+        let hash = self.hasher.hash_one(n.sequence_hash);
+        if let Ok(entry) = self.by_sequence.find_entry(hash, |&x| x == node) {
+            entry.remove();
         }
-        self.by_sequence.remove(&n.sequence_hash);
-        n.generation |= FREE_GENERATION_BIT;
-        n.holders = Holders::default();
-        self.free_nodes.push(node);
+        self.dead_nodes.push(node);
         self.live_nodes -= 1;
     }
 
-    fn enforce_cap(&mut self, outcome: &mut ApplyOutcome) {
-        while self.live_nodes > self.config.max_blocks {
-            let Some((node, generation)) = self.creation_order.pop_front() else {
-                break;
-            };
-            if !self.node_is_live(node, generation) {
-                continue;
-            }
-            self.evict_node(node);
-            outcome.evicted_blocks += 1;
-        }
-        if self.creation_order.len() > 2 * self.live_nodes + 1024 {
+    /// Recycles the dead slots: drops the stale rank entries and creation records that may
+    /// still point at them, then makes them free.
+    fn purge(&mut self) {
+        if self.stale_entries {
             let nodes = &self.nodes;
-            self.creation_order
-                .retain(|&(n, g)| nodes.get(n as usize).is_some_and(|x| x.generation == g));
+            for rank_slot in &mut self.slots {
+                let RankSlot {
+                    blocks,
+                    counts,
+                    stale,
+                    ..
+                } = rank_slot;
+                blocks.retain(|e| {
+                    let live = nodes.is_live(e.node());
+                    if !live && e.multi() {
+                        counts.remove(&e.engine_hash());
+                    }
+                    live
+                });
+                *stale = 0;
+            }
+            self.stale_entries = false;
+        }
+        let nodes = &self.nodes;
+        self.creation_order.retain(|&n| nodes.is_live(n));
+        self.free_nodes.append(&mut self.dead_nodes);
+    }
+
+    fn enforce_cap(&mut self, outcome: &mut ApplyOutcome) {
+        while self.live_nodes > self.max_live_nodes() {
+            if !self.evict_oldest() {
+                break;
+            }
+            outcome.evicted_blocks += 1;
         }
     }
 
-    /// Drops a node for every rank holding it; their map entries go stale and are compacted later.
+    /// Evicts the oldest live node; false when there is none.
+    fn evict_oldest(&mut self) -> bool {
+        while let Some(node) = self.creation_order.pop_front() {
+            if self.nodes.is_live(node) {
+                self.evict_node(node);
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Drops a node for every rank holding it; their map entries go stale until the next purge.
     fn evict_node(&mut self, node: u32) {
-        let holders = self.nodes[node as usize].holders.entries();
-        self.free_node(node);
-        for (slot, _) in holders {
-            let nodes = &self.nodes;
+        for (slot, _) in self.nodes.get(node).holders.entries(&self.arena) {
             let rank_slot = &mut self.slots[slot as usize];
             let entries = rank_slot
                 .alias_counts
                 .remove(&node)
-                .map_or(1, |c| usize::from(c[3]));
+                .map_or(1, |c| c[3] as usize);
             rank_slot.stale += entries;
-            if rank_slot.stale > 1024 && rank_slot.stale * 2 > rank_slot.blocks.len() {
-                rank_slot.blocks.retain(|_, r| {
-                    nodes
-                        .get(r.node as usize)
-                        .is_some_and(|x| x.generation == r.generation)
-                });
-                rank_slot.stale = 0;
-            }
         }
+        self.stale_entries = true;
+        self.free_node(node);
     }
 }
+
+/// Notes a second entry of a rank on a node it already holds with tiers `held` (before the new
+/// entry): from now on the node's entries of that rank are counted explicitly.
+fn note_alias(rank_slot: &mut RankSlot, node: u32, held: TierMask) {
+    rank_slot.alias_counts.entry(node).or_insert_with(|| {
+        let mut counts = [0u32; 4];
+        for (i, c) in counts.iter_mut().take(3).enumerate() {
+            *c = u32::from(held & (1 << i) != 0);
+        }
+        counts[3] = 1;
+        counts
+    });
+}
+
+/// Number of stored blocks looked up together before they are stored, so their cache misses
+/// overlap.
+const STORE_CHUNK: usize = 16;
 
 /// Number of prompt blocks whose nodes are looked up together, so their cache misses overlap.
 const LOOKUP_CHUNK: usize = 32;
 
-/// The ranks still matching during a lookup, per cumulative tier (0 device, 1 host, 2 any), as
-/// bitsets over rank slots, with the depth at which each rank stopped matching.
-struct Walk {
-    alive: [Vec<u64>; 3],
-    count: [usize; 3],
-    ends: Vec<[u32; 3]>,
-    /// Words of `alive[2]` outside `lo..hi` are zero.
-    lo: usize,
-    hi: usize,
-}
-
-impl Walk {
-    fn new(slots: usize) -> Self {
-        let words = slots.div_ceil(64);
-        Self {
-            alive: [vec![0; words], vec![0; words], vec![0; words]],
-            count: [0; 3],
-            ends: vec![[0; 3]; slots],
-            lo: 0,
-            hi: words,
-        }
-    }
-
-    fn start(&mut self, holders: &Holders) {
-        for (slot, mask) in holders.entries() {
-            let (w, bit) = ((slot / 64) as usize, 1u64 << (slot % 64));
-            for t in 0..3 {
-                if cumulative(mask, t) {
-                    self.alive[t][w] |= bit;
-                    self.count[t] += 1;
-                }
-            }
-        }
-        self.shrink_range();
-    }
-
-    fn shrink_range(&mut self) {
-        while self.lo < self.hi && self.alive[2][self.lo] == 0 {
-            self.lo += 1;
-        }
-        while self.hi > self.lo && self.alive[2][self.hi - 1] == 0 {
-            self.hi -= 1;
-        }
-    }
-
-    fn drop_bits(&mut self, t: usize, w: usize, mut dropped: u64, depth: u32) {
-        self.count[t] -= dropped.count_ones() as usize;
-        while dropped != 0 {
-            let b = dropped.trailing_zeros() as usize;
-            dropped &= dropped - 1;
-            self.ends[w * 64 + b][t] = depth;
-        }
-    }
-
-    /// Intersects the alive sets with the holders of the block at `depth`.
-    fn step(&mut self, holders: &Holders, depth: u32) {
-        match holders {
-            Holders::Sparse(entries) => {
-                let mut kept = [0usize; 3];
-                for &e in entries {
-                    let (slot, mask) = (entry_slot(e), entry_mask(e));
-                    let (w, bit) = ((slot / 64) as usize, 1u64 << (slot % 64));
-                    for (t, k) in kept.iter_mut().enumerate() {
-                        if cumulative(mask, t) && self.alive[t].get(w).is_some_and(|a| a & bit != 0)
-                        {
-                            *k += 1;
-                        }
-                    }
-                }
-                for (t, &kept_t) in kept.iter().enumerate() {
-                    if kept_t == self.count[t] {
-                        continue;
-                    }
-                    let mut fresh = vec![0u64; self.hi - self.lo];
-                    for &e in entries {
-                        let (slot, mask) = (entry_slot(e), entry_mask(e));
-                        let (w, bit) = ((slot / 64) as usize, 1u64 << (slot % 64));
-                        if cumulative(mask, t)
-                            && w >= self.lo
-                            && w < self.hi
-                            && self.alive[t][w] & bit != 0
-                        {
-                            fresh[w - self.lo] |= bit;
-                        }
-                    }
-                    for w in self.lo..self.hi {
-                        let before = self.alive[t][w];
-                        let after = fresh[w - self.lo];
-                        if before != after {
-                            self.alive[t][w] = after;
-                            self.drop_bits(t, w, before & !after, depth);
-                        }
-                    }
-                }
-            }
-            Holders::Dense(dense) => {
-                for t in 0..3 {
-                    if self.count[t] == 0 {
-                        continue;
-                    }
-                    for w in self.lo..self.hi {
-                        let before = self.alive[t][w];
-                        if before == 0 {
-                            continue;
-                        }
-                        let after = before & dense.cumulative_word(t, w);
-                        if after != before {
-                            self.alive[t][w] = after;
-                            self.drop_bits(t, w, before & !after, depth);
-                        }
-                    }
-                }
-            }
-        }
-        self.shrink_range();
-    }
-
-    /// Every rank still alive matched all blocks up to `depth`.
-    fn finish(&mut self, depth: u32) {
-        for t in 0..3 {
-            for w in self.lo..self.hi {
-                let mut bits = self.alive[t][w];
-                while bits != 0 {
-                    let b = bits.trailing_zeros() as usize;
-                    bits &= bits - 1;
-                    self.ends[w * 64 + b][t] = depth;
-                }
-            }
-        }
-    }
-}
-
-/// Whether a holder with tiers `mask` is in cumulative tier `t`.
-#[inline]
-fn cumulative(mask: TierMask, t: usize) -> bool {
-    mask & ((2u8 << t) - 1) != 0
-}
-
 impl RadixIndex {
+    #[inline]
+    fn lookup(&self, sequence_hash: u64) -> Option<u32> {
+        let nodes = &self.nodes;
+        self.by_sequence
+            .find(self.hasher.hash_one(sequence_hash), |&n| {
+                nodes.get(n).sequence_hash == sequence_hash
+            })
+            .copied()
+    }
+
     /// Each rank's overlap with a prompt given by its sequence hashes: the number of leading
-    /// blocks it holds, per cumulative tier. Ranks with no overlap are left out.
+    /// blocks it holds, per cumulative tier. Ranks with no overlap are left out; the others come
+    /// in rank-slot order.
     pub fn find_matches(&self, sequence_hashes: &[u64]) -> Matches {
-        let Some(&first) = sequence_hashes
-            .first()
-            .and_then(|h| self.by_sequence.get(h))
-        else {
-            return Matches::default();
-        };
-        let mut walk = Walk::new(self.slots.len());
-        walk.start(&self.nodes[first as usize].holders);
-        let mut depth = 1usize;
+        let mut walk: Option<Walk> = None;
         let mut chunk = [0u32; LOOKUP_CHUNK];
-        'walk: while depth < sequence_hashes.len() && walk.count[2] > 0 {
+        let mut depth = 0usize;
+        'walk: while depth < sequence_hashes.len() {
             let end = (depth + LOOKUP_CHUNK).min(sequence_hashes.len());
             let mut found = 0;
-            for (i, h) in sequence_hashes[depth..end].iter().enumerate() {
-                match self.by_sequence.get(h) {
-                    Some(&node) => {
-                        chunk[i] = node;
+            for &key in &sequence_hashes[depth..end] {
+                match self.lookup(key) {
+                    Some(node) => {
+                        chunk[found] = node;
                         found += 1;
                     }
                     None => break,
                 }
             }
+            let complete = found == end - depth;
             for &node in &chunk[..found] {
-                walk.step(&self.nodes[node as usize].holders, depth as u32);
+                let holders = self.nodes.get(node).holders.view(&self.arena);
+                match walk.as_mut() {
+                    None => walk = Some(Walk::new(holders, self.slots.len())),
+                    Some(w) => w.step(holders, depth as u32),
+                }
                 depth += 1;
-                if walk.count[2] == 0 {
+                if walk.as_ref().is_some_and(|w| !w.any_alive()) {
                     break 'walk;
                 }
             }
-            if depth < end {
+            if !complete {
                 break;
             }
         }
-        walk.finish(depth as u32);
-        let ranks = walk
-            .ends
-            .iter()
-            .enumerate()
-            .filter(|(_, e)| e[2] > 0)
-            .filter_map(|(slot, e)| {
-                self.slots[slot].rank.map(|rank| RankOverlap {
-                    rank,
-                    device_blocks: e[0],
-                    host_blocks: e[1],
-                    disk_blocks: e[2],
-                })
-            })
-            .collect();
-        Matches { ranks }
+        match walk {
+            None => Matches::default(),
+            Some(w) => Matches {
+                ranks: w.finish(depth as u32, &self.slots),
+            },
+        }
     }
 
     /// [`find_matches`](Self::find_matches) for a prompt given by its local hashes.
@@ -816,45 +987,102 @@ impl RadixIndex {
 
     /// The index as events: per rank, `Stored` events that re-create what it holds (parents
     /// before children, one event per block and tier with its store count), for recovery.
-    /// Blocks whose parent the rank no longer holds cannot be re-stored under it and are left out;
-    /// they add nothing to any overlap (overlap is contiguous from the first block).
+    /// Blocks the rank cannot reach from a first block through blocks it holds cannot be
+    /// re-stored under their parent and are left out; they add nothing to any overlap (overlap
+    /// is contiguous from the first block).
     pub fn dump(&self) -> Vec<(Rank, KvEvent)> {
         let mut out = Vec::new();
-        for (slot_index, slot) in self.slots.iter().enumerate() {
+        for slot in &self.slots {
             let Some(rank) = slot.rank else { continue };
-            let _ = slot_index;
-            let mut entries: Vec<(u32, u64, BlockRef)> = slot
+            let mut entries: Vec<BlockRef> = slot
                 .blocks
                 .iter()
-                .filter(|(_, r)| self.node_is_live(r.node, r.generation))
-                .map(|(&h, r)| (self.nodes[r.node as usize].depth, h, *r))
+                .filter(|r| self.nodes.is_live(r.node()))
+                .copied()
                 .collect();
-            entries.sort_unstable_by_key(|&(depth, h, _)| (depth, h));
-            // Engine hash of this rank for each node, to name parents.
-            let mut engine_of: HashMap<u64, u64> = HashMap::with_capacity(entries.len());
-            for &(_, h, r) in &entries {
-                engine_of
-                    .entry(self.nodes[r.node as usize].sequence_hash)
-                    .or_insert(h);
+            entries.sort_unstable_by_key(|r| r.engine_hash());
+            // This rank's engine hash for each node it holds (the smallest, if several).
+            let mut engine_of: HashMap<u32, u64> = HashMap::with_capacity(entries.len());
+            for r in &entries {
+                engine_of.entry(r.node()).or_insert(r.engine_hash());
             }
-            for &(depth, engine_hash, r) in &entries {
-                let node = &self.nodes[r.node as usize];
-                let parent = if depth == 0 {
-                    None
-                } else {
-                    match engine_of.get(&node.parent_sequence_hash) {
-                        Some(&p) => Some(p),
-                        None => continue,
+            // The held nodes by the low half of their sequence hash, to find parents.
+            let mut by_tag: Vec<(u32, u32)> = engine_of
+                .keys()
+                .map(|&n| (self.nodes.get(n).sequence_hash as u32, n))
+                .collect();
+            by_tag.sort_unstable();
+            let parent_of = |node: u32| -> Option<Option<u32>> {
+                let n = self.nodes.get(node);
+                if n.sequence_hash == n.local_hash {
+                    return Some(None);
+                }
+                let from = by_tag.partition_point(|&(tag, _)| tag < n.parent_tag);
+                by_tag[from..]
+                    .iter()
+                    .take_while(|&&(tag, _)| tag == n.parent_tag)
+                    .map(|&(_, p)| p)
+                    .find(|&p| {
+                        chain(self.nodes.get(p).sequence_hash, n.local_hash) == n.sequence_hash
+                    })
+                    .map(Some)
+            };
+            // Depth of each node within this rank's chains; `None` when a chain is broken.
+            let mut depth_of: HashMap<u32, Option<u32>> = HashMap::with_capacity(engine_of.len());
+            let mut path = Vec::new();
+            for &start in engine_of.keys() {
+                // Climb to a node of known depth, a first block or a missing parent.
+                let mut node = start;
+                let mut next = loop {
+                    if let Some(&known) = depth_of.get(&node) {
+                        break known.map(|d| d + 1);
+                    }
+                    path.push(node);
+                    if path.len() > engine_of.len() {
+                        break None;
+                    }
+                    match parent_of(node) {
+                        None => break None,
+                        Some(None) => break Some(0),
+                        Some(Some(parent)) => node = parent,
                     }
                 };
+                while let Some(n) = path.pop() {
+                    depth_of.insert(n, next);
+                    next = next.map(|d| d + 1);
+                }
+            }
+            let mut ordered: Vec<(u32, BlockRef)> = entries
+                .iter()
+                .filter_map(|r| depth_of.get(&r.node()).copied().flatten().map(|d| (d, *r)))
+                .collect();
+            ordered.sort_by_key(|&(d, r)| (d, r.engine_hash()));
+            for (_, r) in ordered {
+                let node = self.nodes.get(r.node());
+                let parent = match parent_of(r.node()) {
+                    Some(Some(p)) => engine_of.get(&p).copied(),
+                    _ => None,
+                };
+                let counts = if r.multi() {
+                    slot.counts
+                        .get(&r.engine_hash())
+                        .copied()
+                        .unwrap_or_default()
+                } else {
+                    let mut counts = [0u32; 3];
+                    for (t, c) in counts.iter_mut().enumerate() {
+                        *c = u32::from(r.mask() & (1 << t) != 0);
+                    }
+                    counts
+                };
                 for tier in Tier::ALL {
-                    for _ in 0..r.counts[tier.index()] {
+                    for _ in 0..counts[tier.index()] {
                         out.push((
                             rank,
                             KvEvent::Stored {
                                 parent,
                                 blocks: vec![StoredBlock {
-                                    engine_hash,
+                                    engine_hash: r.engine_hash(),
                                     local_hash: node.local_hash,
                                 }],
                                 tier,
@@ -867,27 +1095,28 @@ impl RadixIndex {
         out
     }
 
-    /// Estimated heap and inline bytes of the index (maps at capacity, nodes, holder sets).
+    /// Estimated heap and inline bytes of the index: every table and vector at its capacity
+    /// (not its length), node chunks, holder sets, plus an allocator overhead per allocation.
     pub fn memory_bytes(&self) -> usize {
-        let map_entry = |k: usize, v: usize| k + v + 1;
-        let nodes = self.nodes.capacity() * std::mem::size_of::<Node>()
-            + self
-                .nodes
-                .iter()
-                .map(|n| n.holders.heap_bytes())
-                .sum::<usize>();
-        let by_sequence = self.by_sequence.capacity() * map_entry(8, 4);
         let slots = self
             .slots
             .iter()
             .map(|s| {
-                std::mem::size_of::<RankSlot>()
-                    + s.blocks.capacity() * map_entry(8, std::mem::size_of::<BlockRef>())
-                    + s.alias_counts.capacity() * map_entry(4, 8)
+                table_bytes(s.blocks.capacity(), std::mem::size_of::<BlockRef>())
+                    + table_bytes(s.counts.capacity(), 8 + 12)
+                    + table_bytes(s.alias_counts.capacity(), 4 + 16)
             })
             .sum::<usize>();
-        let order = self.creation_order.capacity() * 8;
-        nodes + by_sequence + slots + order + self.free_nodes.capacity() * 4
+        std::mem::size_of::<Self>()
+            + self.nodes.memory_bytes()
+            + self.arena.memory_bytes()
+            + table_bytes(self.by_sequence.capacity(), 4)
+            + (self.free_nodes.capacity() + self.dead_nodes.capacity()) * 4
+            + self.creation_order.capacity() * 4
+            + self.slots.capacity() * std::mem::size_of::<RankSlot>()
+            + slots
+            + table_bytes(self.slot_of.capacity(), std::mem::size_of::<(Rank, u32)>())
+            + self.free_slots.capacity() * 4
     }
 }
 

@@ -190,6 +190,165 @@ fn dump_recreates_the_index() {
     assert!(restored.find_matches(&seq(&[1])).get(a).is_some());
 }
 
+#[test]
+fn evicted_slots_are_reused_only_once_nothing_points_at_them() {
+    let mut index = RadixIndex::new(IndexConfig { max_blocks: 8 });
+    let (a, b) = (rank(1, 0), rank(2, 0));
+    index.apply(b, &stored(None, &[(1, 1_000_000)], Tier::Device));
+    // `a` stores many first blocks: `b`'s block is evicted early, and the purges that recycle
+    // dead slots run many times, so node slots are reused.
+    let mut evicted = 0;
+    for i in 0..5000u64 {
+        let outcome = index.apply(a, &stored(None, &[(10 + i, 10 + i)], Tier::Device));
+        evicted += outcome.evicted_blocks;
+        if i == 20 {
+            // Evicted but not yet purged: `b`'s entry is stale, not held.
+            assert_eq!(index.rank_block_count(b), 0);
+            assert_eq!(
+                index
+                    .apply(b, &removed(&[1], Tier::Device))
+                    .unknown_removed_blocks,
+                1
+            );
+            evicted += index
+                .apply(b, &stored(None, &[(1, 1_000_000)], Tier::Device))
+                .evicted_blocks;
+        }
+    }
+    assert_eq!(evicted, 5000 + 2 - 8);
+    assert_eq!(index.block_count(), 8);
+    assert_eq!(index.held_pairs(), 8);
+    assert!(
+        (index.nodes.len as usize) < 3000,
+        "dead slots are recycled ({} slots)",
+        index.nodes.len
+    );
+    assert!(index.creation_order.len() < 3000);
+    // `b`'s entry is gone or stale: removing it or naming it as a parent finds nothing, and
+    // cannot touch the block that reuses its slot.
+    let outcome = index.apply(b, &stored(Some(1), &[(2, 2)], Tier::Device));
+    assert_eq!(outcome.parent_block_not_found, 1);
+    assert_eq!(
+        index
+            .apply(b, &removed(&[1], Tier::Device))
+            .unknown_removed_blocks,
+        1
+    );
+    for i in 4992..5000u64 {
+        let m = index.find_matches(&seq(&[10 + i]));
+        assert_eq!(m.ranks.len(), 1);
+        assert_eq!(m.get(a).map(|r| r.device_blocks), Some(1));
+    }
+    assert!(index.find_matches(&seq(&[10])).ranks.is_empty());
+    assert!(index.find_matches(&seq(&[1_000_000])).ranks.is_empty());
+    // The survivors round-trip through a dump.
+    let mut restored = RadixIndex::default();
+    for (r, event) in index.dump() {
+        restored.apply(r, &event);
+    }
+    assert_eq!(restored.held_pairs(), 8);
+}
+
+#[test]
+fn store_counts_are_exact_beyond_a_byte() {
+    let mut index = RadixIndex::default();
+    let a = rank(1, 0);
+    for _ in 0..300 {
+        index.apply(a, &stored(None, &[(10, 1)], Tier::Device));
+    }
+    index.apply(a, &stored(None, &[(10, 1)], Tier::Host));
+    assert_eq!(index.held_pairs(), 1);
+    // The dump carries every store.
+    assert_eq!(index.dump().len(), 301);
+    for _ in 0..299 {
+        index.apply(a, &removed(&[10], Tier::Device));
+    }
+    let m = index.find_matches(&seq(&[1]));
+    assert_eq!(
+        m.get(a).map(|r| (r.device_blocks, r.host_blocks)),
+        Some((1, 1))
+    );
+    let outcome = index.apply(a, &removed(&[10], Tier::Device));
+    assert_eq!(outcome.removed_blocks, 1);
+    let m = index.find_matches(&seq(&[1]));
+    assert_eq!(
+        m.get(a).map(|r| (r.device_blocks, r.host_blocks)),
+        Some((0, 1))
+    );
+    assert_eq!(
+        index
+            .apply(a, &removed(&[10], Tier::Device))
+            .unknown_removed_blocks,
+        1
+    );
+    index.apply(a, &removed(&[10], Tier::Host));
+    assert_eq!(index.block_count(), 0);
+    assert_eq!(index.held_pairs(), 0);
+    assert!(index.slots.iter().all(|s| s.counts.is_empty()));
+}
+
+#[test]
+fn dump_finds_a_parent_that_was_freed_and_stored_again() {
+    let mut index = RadixIndex::default();
+    let a = rank(1, 0);
+    index.apply(a, &stored(None, &[(10, 1), (11, 2)], Tier::Device));
+    // The parent block leaves (its node is freed: nobody else holds it), then comes back as a
+    // new node; the child's node still names it.
+    index.apply(a, &removed(&[10], Tier::Device));
+    index.apply(a, &stored(None, &[(10, 1)], Tier::Device));
+    let q = seq(&[1, 2]);
+    assert_eq!(
+        index.find_matches(&q).get(a).map(|r| r.device_blocks),
+        Some(2)
+    );
+    let mut restored = RadixIndex::default();
+    for (r, event) in index.dump() {
+        restored.apply(r, &event);
+    }
+    assert_eq!(
+        sorted(index.find_matches(&q)),
+        sorted(restored.find_matches(&q))
+    );
+}
+
+#[test]
+fn a_few_matching_ranks_meet_a_block_with_many_holders() {
+    let mut index = RadixIndex::default();
+    let mut reference = ReferenceIndex::default();
+    let mut apply = |r: Rank, event: KvEvent| {
+        index.apply(r, &event);
+        reference.apply(r, &event);
+    };
+    // Many rank slots, so that a block with dozens of holders keeps them in a sorted list.
+    for w in 0..2000u64 {
+        apply(rank(w, 0), stored(None, &[(1, 7)], Tier::Device));
+    }
+    // Block 1 is held by three ranks; its child by 40, two of them among those three (one on the
+    // host) and 38 that dropped block 1; the grandchild by one of the three.
+    for (w, tier) in [(10, Tier::Device), (20, Tier::Device), (30, Tier::Device)] {
+        apply(rank(w, 0), stored(None, &[(100, 1)], tier));
+    }
+    apply(rank(10, 0), stored(Some(100), &[(101, 2)], Tier::Device));
+    apply(rank(20, 0), stored(Some(100), &[(101, 2)], Tier::Host));
+    for w in 1000..1038u64 {
+        apply(
+            rank(w, 0),
+            stored(None, &[(100, 1), (101, 2)], Tier::Device),
+        );
+        apply(rank(w, 0), removed(&[100], Tier::Device));
+    }
+    apply(rank(10, 0), stored(Some(101), &[(102, 3)], Tier::Device));
+    let q = seq(&[1, 2, 3]);
+    let got = sorted(index.find_matches(&q));
+    assert_eq!(got, sorted(reference.find_matches(&q)));
+    assert_eq!(
+        got.iter()
+            .map(|r| (r.rank.worker_id, r.device_blocks, r.host_blocks))
+            .collect::<Vec<_>>(),
+        vec![(10, 3, 3), (20, 1, 2), (30, 1, 1)]
+    );
+}
+
 #[derive(Debug, Clone)]
 enum Op {
     Store {
@@ -303,12 +462,153 @@ fn run_ops(ops: &[Op]) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// With a tiny block cap, blocks are evicted under every kind of operation. The capped index
+/// diverges from the uncapped model (an evicted parent drops later events), so each lookup is
+/// checked against the reference model rebuilt from the index's own dump, and the held pairs
+/// against the entries that point at live blocks.
+fn run_ops_capped(ops: &[Op]) -> Result<(), TestCaseError> {
+    let mut index = RadixIndex::new(IndexConfig { max_blocks: 5 });
+    for op in ops {
+        match op {
+            Op::Store {
+                rank: (w, d),
+                parent,
+                blocks,
+                tier,
+            } => {
+                index.apply(
+                    rank(*w, *d),
+                    &stored(*parent, blocks, tier_from_index(*tier)),
+                );
+                prop_assert!(index.block_count() <= 5);
+            }
+            Op::Remove {
+                rank: (w, d),
+                hashes,
+                tier,
+            } => {
+                index.apply(rank(*w, *d), &removed(hashes, tier_from_index(*tier)));
+            }
+            Op::Clear { rank: (w, d) } => {
+                index.apply(rank(*w, *d), &KvEvent::Cleared);
+            }
+            Op::RemoveWorker { worker } => {
+                index.remove_worker(*worker);
+            }
+            Op::Lookup { local } => {
+                let mut reference = ReferenceIndex::default();
+                for (r, event) in index.dump() {
+                    reference.apply(r, &event);
+                }
+                let q = seq(local);
+                prop_assert_eq!(
+                    sorted(index.find_matches(&q)),
+                    sorted(reference.find_matches(&q))
+                );
+            }
+        }
+        let held: usize = index
+            .slots
+            .iter()
+            .map(|s| {
+                s.blocks
+                    .iter()
+                    .filter(|e| index.nodes.is_live(e.node()))
+                    .count()
+            })
+            .sum();
+        prop_assert_eq!(index.held_pairs(), held);
+    }
+    Ok(())
+}
+
+/// Many ranks, each holding a prefix of one prompt with per-block tiers (all on the device before
+/// `mixed_from`) and some holes, after `filler` ranks holding something else (more rank slots make
+/// larger sparse holder sets), so that lookups go through every walk shape: bitsets for one or
+/// three tiers, lists, and the transitions between them.
+fn walk_shapes(
+    ranks: Vec<(usize, Vec<usize>, Vec<usize>)>,
+    prompt_blocks: usize,
+    mixed_from: usize,
+    filler: usize,
+) -> Result<(), TestCaseError> {
+    let local: Vec<u64> = (0..prompt_blocks as u64).map(|l| l + 100).collect();
+    let mut index = RadixIndex::default();
+    let mut reference = ReferenceIndex::default();
+    for f in 0..filler {
+        index.apply(
+            rank(1_000_000 + f as u64, 0),
+            &stored(None, &[(1, 1)], Tier::Device),
+        );
+    }
+    for (w, (len, tiers, holes)) in ranks.iter().enumerate() {
+        let r = rank(w as u64, 0);
+        let len = len % (prompt_blocks + 1);
+        for (i, &l) in local[..len].iter().enumerate() {
+            let event = stored(
+                i.checked_sub(1).map(|p| 5000 + p as u64),
+                &[(5000 + i as u64, l)],
+                tier_from_index(if i < mixed_from {
+                    0
+                } else {
+                    tiers.get(i).copied().unwrap_or(0)
+                }),
+            );
+            index.apply(r, &event);
+            reference.apply(r, &event);
+        }
+        for &h in holes {
+            let event = removed(&[5000 + (h % prompt_blocks) as u64], Tier::Device);
+            index.apply(r, &event);
+            reference.apply(r, &event);
+        }
+    }
+    for end in [1, prompt_blocks / 2, prompt_blocks] {
+        let q = seq(&local[..end]);
+        prop_assert_eq!(
+            sorted(index.find_matches(&q)),
+            sorted(reference.find_matches(&q))
+        );
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    #[test]
+    fn lookups_over_many_ranks_match_the_reference_model(
+        ranks in proptest::collection::vec(
+            (
+                0..48usize,
+                // Mostly device, sometimes host or disk.
+                proptest::collection::vec(
+                    prop_oneof![8 => Just(0usize), 1 => Just(1), 1 => Just(2)],
+                    0..48
+                ),
+                proptest::collection::vec(0..48usize, 0..2),
+            ),
+            1..300,
+        ),
+        prompt_blocks in 2..48usize,
+        mixed_from in 0..64usize,
+        filler in prop_oneof![Just(0usize), 0..1200usize],
+    ) {
+        walk_shapes(ranks, prompt_blocks, mixed_from, filler)?;
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(1000))]
 
     #[test]
     fn index_matches_the_reference_model(ops in proptest::collection::vec(op_strategy(3), 1..60)) {
         run_ops(&ops)?;
+    }
+
+    #[test]
+    fn a_capped_index_stays_consistent(ops in proptest::collection::vec(op_strategy(3), 1..80)) {
+        run_ops_capped(&ops)?;
     }
 
     #[test]
