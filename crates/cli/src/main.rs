@@ -8,6 +8,11 @@ mod serve_cmd;
 mod sim_cmd;
 
 use clap::{Parser, Subcommand};
+
+// A selection allocates and frees a few buffers sized by the prompt and the fleet; mimalloc
+// serves them several times faster than the system allocator (see the selector bench).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use std::process::ExitCode;
 
 #[derive(Parser)]

@@ -6,6 +6,10 @@
 
 mod common;
 
+// The allocator the kvroute binary uses.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use common::{BLOCK_SIZE, fleet_events, store_event, trace_prompts};
 use criterion::{Criterion, criterion_group, criterion_main};
 use kvroute_core::error::PartitionKey;
