@@ -303,13 +303,13 @@ impl Holders {
                     HeapHolders::Small(entries) => {
                         let len = count as usize;
                         let count = match find_entry(&entries[..len], slot) {
-                            Some(i) if mask == 0 => {
-                                entries.copy_within(i + 1..len, i);
+                            Some(pos) if mask == 0 => {
+                                entries.copy_within(pos + 1..len, pos);
                                 entries[len - 1] = 0;
                                 count - 1
                             }
-                            Some(i) => {
-                                entries[i] = pack(slot, mask);
+                            Some(pos) => {
+                                entries[pos] = pack(slot, mask);
                                 count
                             }
                             None if mask == 0 => count,
