@@ -111,8 +111,15 @@ fn hash_for_partition(
     }
 }
 
-/// `POST /select`.
-pub fn select(state: &AppState, mut body: SelectBody) -> ApiResult {
+/// A select body resolved: partition, hashed prompt (hashed outside any lock), LoRA name.
+struct ResolvedSelect {
+    key: PartitionKey,
+    hashes: PromptHashes,
+    lora_name: Option<String>,
+    overrides: kvroute_core::schedule::Overrides,
+}
+
+fn resolve_select(state: &AppState, body: &mut SelectBody) -> Result<ResolvedSelect, ApiError> {
     let key = body.key()?;
     let mut prompt = body.take_prompt();
     let input = prompt.resolve("block_hashes")?;
@@ -124,17 +131,34 @@ pub fn select(state: &AppState, mut body: SelectBody) -> ApiResult {
         prompt.lora_name.as_deref(),
         prompt.cache_salt.as_deref(),
     )?;
-    let req = SelectRequest {
-        partition: &key,
-        selection_id: body.selection_id.as_deref(),
-        prompt: Prompt::Hashes(&hashes),
-        lora_name: prompt.lora_name.as_deref(),
-        expected_output_tokens: body.expected_output_tokens,
+    Ok(ResolvedSelect {
+        key,
+        hashes,
+        lora_name: prompt.lora_name,
         overrides,
-        pinned_worker: body.pinned(),
-        allowed_worker_ids: body.allowed_worker_ids.as_deref(),
-        advisory: body.advisory,
-    };
+    })
+}
+
+impl ResolvedSelect {
+    fn request<'a>(&'a self, body: &'a SelectBody, advisory: bool) -> SelectRequest<'a> {
+        SelectRequest {
+            partition: &self.key,
+            selection_id: body.selection_id.as_deref(),
+            prompt: Prompt::Hashes(&self.hashes),
+            lora_name: self.lora_name.as_deref(),
+            expected_output_tokens: body.expected_output_tokens,
+            overrides: self.overrides,
+            pinned_worker: body.pinned(),
+            allowed_worker_ids: body.allowed_worker_ids.as_deref(),
+            advisory,
+        }
+    }
+}
+
+/// `POST /select`.
+pub fn select(state: &AppState, mut body: SelectBody) -> ApiResult {
+    let resolved = resolve_select(state, &mut body)?;
+    let req = resolved.request(&body, body.advisory);
     let start = Instant::now();
     let selection = state
         .selector
@@ -146,30 +170,10 @@ pub fn select(state: &AppState, mut body: SelectBody) -> ApiResult {
     Ok(selection_json(&selection))
 }
 
-/// `POST /select_and_reserve`.
+/// `POST /select_and_reserve` (`advisory` does not apply).
 pub fn select_and_reserve(state: &AppState, mut body: SelectBody) -> ApiResult {
-    let key = body.key()?;
-    let mut prompt = body.take_prompt();
-    let input = prompt.resolve("block_hashes")?;
-    let overrides = body.overrides()?;
-    let hashes = hash_for_partition(
-        state,
-        &key,
-        input,
-        prompt.lora_name.as_deref(),
-        prompt.cache_salt.as_deref(),
-    )?;
-    let req = SelectRequest {
-        partition: &key,
-        selection_id: body.selection_id.as_deref(),
-        prompt: Prompt::Hashes(&hashes),
-        lora_name: prompt.lora_name.as_deref(),
-        expected_output_tokens: body.expected_output_tokens,
-        overrides,
-        pinned_worker: body.pinned(),
-        allowed_worker_ids: body.allowed_worker_ids.as_deref(),
-        advisory: false,
-    };
+    let resolved = resolve_select(state, &mut body)?;
+    let req = resolved.request(&body, false);
     let (selection, reservation) = state.selector.write().select_and_reserve(
         &req,
         body.reservation_id.as_deref(),
