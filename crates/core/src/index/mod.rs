@@ -15,9 +15,11 @@
 //!   The blocks of a `Stored` event are looked up a chunk at a time before they are stored, so
 //!   the processor overlaps their cache misses.
 //! - `find_matches(sequence_hashes)`: one hash lookup per prompt block (a chunk at a time, for the
-//!   same reason), plus per block the work to intersect the set of ranks still matching with its
-//!   holders (module `walk`): O(ranks / 64) word operations while many ranks match, O(matching
-//!   ranks) once few do. It stops at the first block nobody still matching holds.
+//!   same reason; skipped when the block's node is in the slot after the previous block's, as
+//!   when a prompt's blocks arrived in one event), plus per block the work to intersect the set
+//!   of ranks still matching with its holders (module `walk`): O(ranks / 64) word operations
+//!   while many ranks match, O(matching ranks) once few do. It stops at the first block nobody
+//!   still matching holds.
 //! - Memory is bounded by `max_blocks` nodes per index (one index per partition): past it the
 //!   oldest nodes are evicted, counted in the outcome.
 //!
@@ -927,6 +929,17 @@ const STORE_CHUNK: usize = 16;
 const LOOKUP_CHUNK: usize = 32;
 
 impl RadixIndex {
+    /// The slot after `node`, if it holds the live node of `sequence_hash` (the check is exact:
+    /// a live node is the only one with its sequence hash).
+    #[inline]
+    fn node_after(&self, node: u32, sequence_hash: u64) -> Option<u32> {
+        let next = node + 1;
+        (next < self.nodes.len).then_some(next).filter(|&n| {
+            let n = self.nodes.get(n);
+            n.sequence_hash == sequence_hash && !n.holders.is_empty()
+        })
+    }
+
     #[inline]
     fn lookup(&self, sequence_hash: u64) -> Option<u32> {
         let nodes = &self.nodes;
@@ -943,15 +956,22 @@ impl RadixIndex {
     pub fn find_matches(&self, sequence_hashes: &[u64]) -> Matches {
         let mut walk: Option<Walk> = None;
         let mut chunk = [0u32; LOOKUP_CHUNK];
+        let mut previous: Option<u32> = None;
         let mut depth = 0usize;
         'walk: while depth < sequence_hashes.len() {
             let end = (depth + LOOKUP_CHUNK).min(sequence_hashes.len());
             let mut found = 0;
             for &key in &sequence_hashes[depth..end] {
-                match self.lookup(key) {
+                // A prompt's blocks usually arrived in one event and sit in consecutive slots:
+                // try the slot after the previous block's before the table.
+                let next = previous
+                    .and_then(|p| self.node_after(p, key))
+                    .or_else(|| self.lookup(key));
+                match next {
                     Some(node) => {
                         chunk[found] = node;
                         found += 1;
+                        previous = Some(node);
                     }
                     None => break,
                 }

@@ -2,8 +2,9 @@
 //! matching a prompt as it goes down the tree, per cumulative tier.
 //!
 //! While many ranks match, they are bitsets over rank slots, and a step intersects them with the
-//! block's holders: O(ranks / 64) word operations, a vectorised check first since most blocks
-//! drop nobody. While every matching rank matches on all three tiers and the blocks are held on
+//! block's holders: O(ranks / 64) word operations in one pass that records the ranks it drops,
+//! after a vectorised read-only check since most blocks drop nobody (skipped when the block has
+//! fewer holders than there are matching ranks: then somebody drops). While every matching rank matches on all three tiers and the blocks are held on
 //! the device only (the common case), one bitset stands for all three tiers (`uniform`). Once
 //! fewer ranks match than there are words, they move to a list sorted by slot, and a step costs
 //! O(matching ranks). The depth at which a rank stops matching on a tier is its overlap there.
@@ -54,8 +55,7 @@ pub(super) struct Walk {
     uniform: bool,
     alive: [Vec<u64>; 3],
     count: [usize; 3],
-    /// Scratch: the bits a step dropped, and a cumulative tier's holders.
-    lost: Vec<u64>,
+    /// Scratch: a cumulative tier's holders.
     held: Vec<u64>,
     ends: Vec<[u32; 3]>,
     list: Vec<Alive>,
@@ -67,29 +67,37 @@ pub(super) struct Walk {
     matched: usize,
 }
 
-/// `alive &= held` (a missing word of `held` is zero). Returns whether that dropped anything;
-/// if so, `lost` holds the dropped bits (one word per word of `alive`).
+/// `alive &= held` (a missing word of `held` is zero), calling `lost(w, bits)` for each word `w`
+/// that loses bits. `drops` says that the caller knows something drops (fewer holders than
+/// matching ranks), so there is no point in checking first.
 #[inline]
-fn intersect(alive: &mut [u64], held: &[u64], lost: &mut Vec<u64>) -> bool {
+fn intersect(alive: &mut [u64], held: &[u64], drops: bool, mut lost: impl FnMut(usize, u64)) {
     let n = held.len().min(alive.len());
     let (covered, beyond) = alive.split_at_mut(n);
     let held = &held[..n];
-    // Most blocks drop nobody: check first, without writing.
-    let mut any = beyond.iter().fold(0, |acc, &a| acc | a);
-    for (&a, &h) in covered.iter().zip(held) {
-        any |= a & !h;
+    if !drops {
+        // Most blocks drop nobody: check first, without writing.
+        let mut any = beyond.iter().fold(0, |acc, &a| acc | a);
+        for (&a, &h) in covered.iter().zip(held) {
+            any |= a & !h;
+        }
+        if any == 0 {
+            return;
+        }
     }
-    if any == 0 {
-        return false;
+    for (w, (a, &h)) in covered.iter_mut().zip(held).enumerate() {
+        let gone = *a & !h;
+        if gone != 0 {
+            *a &= h;
+            lost(w, gone);
+        }
     }
-    lost.clear();
-    lost.extend(covered.iter().zip(held).map(|(&a, &h)| a & !h));
-    lost.extend_from_slice(beyond);
-    for (a, &h) in covered.iter_mut().zip(held) {
-        *a &= h;
+    for (w, a) in beyond.iter_mut().enumerate() {
+        if *a != 0 {
+            lost(n + w, *a);
+            *a = 0;
+        }
     }
-    beyond.fill(0);
-    true
 }
 
 /// Calls `f(slot)` for each bit of `gone` in word `w`.
@@ -110,7 +118,6 @@ impl Walk {
             uniform: false,
             alive: [Vec::new(), Vec::new(), Vec::new()],
             count: [0; 3],
-            lost: Vec::new(),
             held: Vec::new(),
             ends: Vec::new(),
             list: Vec::new(),
@@ -219,7 +226,7 @@ impl Walk {
                         self.split();
                     }
                     if self.uniform {
-                        self.dense_step_uniform(&dense.tiers[0], depth);
+                        self.dense_step_uniform(&dense.tiers[0], dense.tier_counts[0], depth);
                     } else {
                         self.dense_step(dense, depth);
                     }
@@ -250,20 +257,18 @@ impl Walk {
         self.uniform = false;
     }
 
-    fn dense_step_uniform(&mut self, device: &[u64], depth: u32) {
-        if !intersect(&mut self.alive[0], device, &mut self.lost) {
-            return;
-        }
+    fn dense_step_uniform(&mut self, device: &[u64], device_holders: u32, depth: u32) {
+        let drops = (device_holders as usize) < self.count[0];
         let ends = &mut self.ends;
-        let mut count = 0;
-        for (w, &gone) in self.lost.iter().enumerate() {
+        let mut dropped = 0;
+        intersect(&mut self.alive[0], device, drops, |w, gone| {
             for_each_bit(w, gone, |slot| {
                 ends[slot] = [depth; 3];
-                count += 1;
+                dropped += 1;
             });
-        }
+        });
         for c in &mut self.count {
-            *c -= count;
+            *c -= dropped;
         }
     }
 
@@ -282,20 +287,18 @@ impl Walk {
                     *h |= d;
                 }
             }
-            let dropped = intersect(&mut self.alive[t], &held, &mut self.lost);
-            self.held = held;
-            if !dropped {
-                continue;
-            }
+            let holders = dense.tier_counts[..=t].iter().sum::<u32>() as usize;
+            let drops = holders < self.count[t];
             let ends = &mut self.ends;
-            let mut count = 0;
-            for (w, &gone) in self.lost.iter().enumerate() {
+            let mut dropped = 0;
+            intersect(&mut self.alive[t], &held, drops, |w, gone| {
                 for_each_bit(w, gone, |slot| {
                     ends[slot][t] = depth;
-                    count += 1;
+                    dropped += 1;
                 });
-            }
-            self.count[t] -= count;
+            });
+            self.held = held;
+            self.count[t] -= dropped;
         }
     }
 
