@@ -4,10 +4,11 @@
 //! While many ranks match, they are bitsets over rank slots, and a step intersects them with the
 //! block's holders: O(ranks / 64) word operations in one pass that records the ranks it drops,
 //! after a vectorised read-only check since most blocks drop nobody (skipped when the block has
-//! fewer holders than there are matching ranks: then somebody drops). While every matching rank matches on all three tiers and the blocks are held on
-//! the device only (the common case), one bitset stands for all three tiers (`uniform`). Once
-//! fewer ranks match than there are words, they move to a list sorted by slot, and a step costs
-//! O(matching ranks). The depth at which a rank stops matching on a tier is its overlap there.
+//! fewer holders than there are matching ranks: then somebody drops). While every matching rank
+//! matches on all three tiers and the blocks are held on the device only (the common case), one
+//! bitset stands for all three tiers (`uniform`). Once fewer ranks match than there are words,
+//! they move to a list sorted by slot, and a step costs O(matching ranks). The depth at which a
+//! rank stops matching on a tier is its overlap there.
 
 use super::holders::{
     DenseHolders, TierMask, View, cumulative_bits, entry_mask, entry_slot, find_entry,
