@@ -264,6 +264,69 @@ impl BlockRef {
     }
 }
 
+/// Node numbers per chunk of the creation-order queue.
+const ORDER_CHUNK: usize = 4096;
+
+/// A FIFO of node numbers in fixed-size chunks: growing never copies it nor doubles it.
+#[derive(Debug, Default)]
+struct ChunkedQueue {
+    chunks: VecDeque<Vec<u32>>,
+    /// Position of the front in the first chunk.
+    head: usize,
+}
+
+impl ChunkedQueue {
+    fn push_back(&mut self, node: u32) {
+        match self.chunks.back_mut() {
+            Some(chunk) if chunk.len() < ORDER_CHUNK => chunk.push(node),
+            _ => {
+                let mut chunk = Vec::with_capacity(ORDER_CHUNK);
+                chunk.push(node);
+                self.chunks.push_back(chunk);
+            }
+        }
+    }
+
+    fn pop_front(&mut self) -> Option<u32> {
+        loop {
+            let first = self.chunks.front()?;
+            if let Some(&node) = first.get(self.head) {
+                self.head += 1;
+                return Some(node);
+            }
+            // A chunk is dropped once read, unless it is the one being filled.
+            if first.len() < ORDER_CHUNK {
+                return None;
+            }
+            self.chunks.pop_front();
+            self.head = 0;
+        }
+    }
+
+    fn retain(&mut self, mut keep: impl FnMut(u32) -> bool) {
+        let old = std::mem::take(&mut self.chunks);
+        let head = std::mem::take(&mut self.head);
+        for (i, chunk) in old.into_iter().enumerate() {
+            let from = if i == 0 { head } else { 0 };
+            for &node in &chunk[from.min(chunk.len())..] {
+                if keep(node) {
+                    self.push_back(node);
+                }
+            }
+        }
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.chunks.iter().map(Vec::len).sum::<usize>() - self.head
+    }
+
+    fn memory_bytes(&self) -> usize {
+        self.chunks.len() * (ORDER_CHUNK * 4 + ALLOCATION_OVERHEAD)
+            + self.chunks.capacity() * std::mem::size_of::<Vec<u32>>()
+    }
+}
+
 #[derive(Debug, Default)]
 struct RankSlot {
     rank: Option<Rank>,
@@ -312,7 +375,7 @@ pub struct RadixIndex {
     free_slots: Vec<u32>,
     /// Node creation order, for evicting the oldest past the cap. Also holds records of dead
     /// nodes (skipped), dropped by the purge that recycles them.
-    creation_order: VecDeque<u32>,
+    creation_order: ChunkedQueue,
     live_nodes: usize,
 }
 
@@ -623,12 +686,7 @@ impl RadixIndex {
         let hasher = &self.hasher;
         self.by_sequence
             .insert_unique(hash, node, |&n| hasher.hash_one(nodes.get(n).sequence_hash));
-        let order = &mut self.creation_order;
-        if order.len() == order.capacity() {
-            // Grow by a quarter rather than doubling: this queue holds one record per node.
-            order.reserve_exact(order.capacity() / 4 + 1024);
-        }
-        order.push_back(node);
+        self.creation_order.push_back(node);
         self.live_nodes += 1;
         node
     }
@@ -869,7 +927,7 @@ impl RadixIndex {
             self.stale_entries = false;
         }
         let nodes = &self.nodes;
-        self.creation_order.retain(|&n| nodes.is_live(n));
+        self.creation_order.retain(|n| nodes.is_live(n));
         self.free_nodes.append(&mut self.dead_nodes);
     }
 
@@ -1132,7 +1190,7 @@ impl RadixIndex {
             + self.arena.memory_bytes()
             + table_bytes(self.by_sequence.capacity(), 4)
             + (self.free_nodes.capacity() + self.dead_nodes.capacity()) * 4
-            + self.creation_order.capacity() * 4
+            + self.creation_order.memory_bytes()
             + self.slots.capacity() * std::mem::size_of::<RankSlot>()
             + slots
             + table_bytes(self.slot_of.capacity(), std::mem::size_of::<(Rank, u32)>())

@@ -349,6 +349,35 @@ fn a_few_matching_ranks_meet_a_block_with_many_holders() {
     );
 }
 
+#[test]
+fn the_creation_order_queue_is_a_fifo() {
+    let mut queue = ChunkedQueue::default();
+    let mut model = std::collections::VecDeque::new();
+    let mut state = 7u64;
+    for step in 0..60_000u32 {
+        state = state.wrapping_mul(6364136223846793005).wrapping_add(1);
+        // Alternate filling and draining phases, so the queue also runs empty.
+        let draining = (step / 5000) % 2 == 1;
+        match ((state >> 33) % 7 + if draining { 3 } else { 0 }) % 10 {
+            0..=3 => {
+                queue.push_back(step);
+                model.push_back(step);
+            }
+            4..=6 => assert_eq!(queue.pop_front(), model.pop_front()),
+            _ if step % 500 == 0 => {
+                queue.retain(|n| n % 3 != 0);
+                model.retain(|n| n % 3 != 0);
+            }
+            _ => {}
+        }
+        assert_eq!(queue.len(), model.len());
+    }
+    while let Some(n) = model.pop_front() {
+        assert_eq!(queue.pop_front(), Some(n));
+    }
+    assert_eq!(queue.pop_front(), None);
+}
+
 #[derive(Debug, Clone)]
 enum Op {
     Store {
