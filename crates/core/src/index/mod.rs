@@ -507,10 +507,11 @@ impl RadixIndex {
         tier: Tier,
         outcome: &mut ApplyOutcome,
     ) {
-        let mut previous = match parent {
-            None => None,
+        // The previous block's sequence hash and node.
+        let (mut previous, mut previous_node) = match parent {
+            None => (None, None),
             Some(parent_hash) => match self.live_entry(slot, parent_hash) {
-                Some(r) => Some(self.nodes.get(r.node()).sequence_hash),
+                Some(r) => (Some(self.nodes.get(r.node()).sequence_hash), Some(r.node())),
                 None => {
                     outcome.parent_block_not_found += 1;
                     return;
@@ -536,13 +537,16 @@ impl RadixIndex {
             let nodes = &self.nodes;
             let blocks_of_rank = &self.slots[slot as usize].blocks;
             let mut warm = 0u64;
+            let mut hint = previous_node;
             for ((&s, &(node_key, engine_key)), block) in
                 sequence_hashes.iter().zip(&keys).zip(chunk)
             {
-                if let Some(&n) = self
-                    .by_sequence
-                    .find(node_key, |&n| nodes.get(n).sequence_hash == s)
-                {
+                hint = hint.and_then(|p| self.node_after(p, s)).or_else(|| {
+                    self.by_sequence
+                        .find(node_key, |&n| nodes.get(n).sequence_hash == s)
+                        .copied()
+                });
+                if let Some(n) = hint {
                     warm ^= u64::from(n);
                 }
                 let e = block.engine_hash;
@@ -552,28 +556,40 @@ impl RadixIndex {
             }
             std::hint::black_box(warm);
             for ((&sequence_hash, &key), block) in sequence_hashes.iter().zip(&keys).zip(chunk) {
-                self.store_block(slot, (sequence_hash, key), block, previous, t, outcome);
+                let node = self.store_block(
+                    slot,
+                    (sequence_hash, key),
+                    block,
+                    (previous, previous_node),
+                    t,
+                    outcome,
+                );
                 previous = Some(sequence_hash);
+                previous_node = Some(node);
             }
         }
     }
 
-    /// Stores one block of a `Stored` event whose sequence hash (chained under `previous`) is
-    /// known, with the table hashes of that sequence hash and of the block's engine hash.
+    /// Stores one block of a `Stored` event whose sequence hash (chained under the previous
+    /// block's, whose node is `previous_node`) is known, with the table hashes of that sequence
+    /// hash and of the block's engine hash. Returns the block's node.
     #[inline]
     fn store_block(
         &mut self,
         slot: u32,
         (sequence_hash, (node_key, hash)): (u64, (u64, u64)),
         block: &StoredBlock,
-        previous: Option<u64>,
+        (previous, previous_node): (Option<u64>, Option<u32>),
         t: usize,
         outcome: &mut ApplyOutcome,
-    ) {
+    ) -> u32 {
         let bit: TierMask = 1 << t;
         let mut transitions = [0i8; 3];
         transitions[t] = 1;
-        let node = self.node_for(sequence_hash, node_key, block.local_hash, previous, outcome);
+        let node = match previous_node.and_then(|p| self.node_after(p, sequence_hash)) {
+            Some(node) => node,
+            None => self.node_for(sequence_hash, node_key, block.local_hash, previous, outcome),
+        };
         let engine_hash = block.engine_hash;
         let hasher = &self.hasher;
         let rank_slot = &mut self.slots[slot as usize];
@@ -635,6 +651,7 @@ impl RadixIndex {
             self.update_presence(slot, node, transitions, entry_mask, entry_delta);
         }
         outcome.stored_blocks += 1;
+        node
     }
 
     /// Adds a fresh entry (count 1 on the tier `bit`) of `slot` for `node`; the caller updates
