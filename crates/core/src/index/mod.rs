@@ -13,7 +13,8 @@
 //! - `apply(rank, event)`: O(blocks) hash-table operations. Stores are reference counted per
 //!   `(rank, tier, engine hash)`; a block leaves a rank's tier when removed as often as stored.
 //!   The blocks of a `Stored` event are looked up a chunk at a time before they are stored, so
-//!   the processor overlaps their cache misses.
+//!   the processor overlaps their cache misses; a block already indexed is usually found in the
+//!   slot after its parent's node, without a lookup.
 //! - `find_matches(sequence_hashes)`: one hash lookup per prompt block (a chunk at a time, for the
 //!   same reason; skipped when the block's node is in the slot after the previous block's, as
 //!   when a prompt's blocks arrived in one event), plus per block the work to intersect the set
