@@ -21,7 +21,7 @@ pub struct HttpClient {
     addr: SocketAddr,
     stream: BufReader<TcpStream>,
     timeout: Duration,
-    head: String,
+    head: Vec<u8>,
 }
 
 impl HttpClient {
@@ -32,7 +32,7 @@ impl HttpClient {
             addr,
             stream: BufReader::new(stream),
             timeout: Duration::from_secs(30),
-            head: String::with_capacity(256),
+            head: Vec::with_capacity(256),
         })
     }
 
@@ -48,6 +48,20 @@ impl HttpClient {
         path: &str,
         body: Option<&[u8]>,
     ) -> Result<(u16, Vec<u8>), ClientError> {
+        match body {
+            Some(b) => self.request_parts(method, path, &[b]).await,
+            None => self.request_parts(method, path, &[]).await,
+        }
+    }
+
+    /// Like [`request`](Self::request) with a JSON body given in pieces (sent back to back, not
+    /// copied into one buffer); no pieces means no body.
+    pub async fn request_parts(
+        &mut self,
+        method: &str,
+        path: &str,
+        body: &[&[u8]],
+    ) -> Result<(u16, Vec<u8>), ClientError> {
         let timeout = self.timeout;
         match tokio::time::timeout(timeout, self.exchange(method, path, body)).await {
             Ok(result) => result,
@@ -59,28 +73,35 @@ impl HttpClient {
         &mut self,
         method: &str,
         path: &str,
-        body: Option<&[u8]>,
+        body: &[&[u8]],
     ) -> Result<(u16, Vec<u8>), ClientError> {
-        use std::fmt::Write;
+        use std::io::Write;
         self.head.clear();
         let _ = write!(
             self.head,
             "{method} {path} HTTP/1.1\r\nhost: {}\r\n",
             self.addr
         );
-        match body {
-            Some(b) => {
-                let _ = write!(
-                    self.head,
-                    "content-type: application/json\r\ncontent-length: {}\r\n\r\n",
-                    b.len()
-                );
-            }
-            None => self.head.push_str("content-length: 0\r\n\r\n"),
+        if body.is_empty() {
+            self.head.extend_from_slice(b"content-length: 0\r\n\r\n");
+        } else {
+            let length: usize = body.iter().map(|b| b.len()).sum();
+            let _ = write!(
+                self.head,
+                "content-type: application/json\r\ncontent-length: {length}\r\n\r\n"
+            );
+        }
+        // Small pieces ride in the head's buffer; large ones are written as they are.
+        let mut rest = body;
+        while let Some((first, tail)) = rest.split_first()
+            && first.len() <= 4096
+        {
+            self.head.extend_from_slice(first);
+            rest = tail;
         }
         let stream = self.stream.get_mut();
-        stream.write_all(self.head.as_bytes()).await?;
-        if let Some(b) = body {
+        stream.write_all(&self.head).await?;
+        for b in rest {
             stream.write_all(b).await?;
         }
         let mut line = String::new();
