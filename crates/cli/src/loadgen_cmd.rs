@@ -309,7 +309,18 @@ async fn register(addr: SocketAddr, args: &LoadgenArgs) -> Result<(), String> {
     Ok(())
 }
 
-async fn run_async(args: LoadgenArgs) -> Result<serde_json::Value, String> {
+/// Runs a future on the fake engines' runtime and waits for it.
+async fn on_engines<T: Send + 'static>(
+    engines_rt: &tokio::runtime::Handle,
+    task: impl std::future::Future<Output = T> + Send + 'static,
+) -> Option<T> {
+    engines_rt.spawn(task).await.ok()
+}
+
+async fn run_async(
+    args: LoadgenArgs,
+    engines_rt: tokio::runtime::Handle,
+) -> Result<serde_json::Value, String> {
     let addr = resolve(&args.url)?;
     let prompts = match &args.trace {
         Some(path) => trace_prompts(path, args.max_prompt_tokens)?,
@@ -324,17 +335,29 @@ async fn run_async(args: LoadgenArgs) -> Result<serde_json::Value, String> {
             .collect(),
     );
     let mean_tokens = prompts.iter().map(Vec::len).sum::<usize>() / prompts.len();
-    let engines = start_engines(&args).await?;
+    // The fake engines (stand-ins for engines on other hosts) run on a thread of their own, so
+    // publishing never delays this process's clients, whose latencies are the measurement.
+    let engine_args = args.clone();
+    let engines = on_engines(
+        &engines_rt,
+        async move { start_engines(&engine_args).await },
+    )
+    .await
+    .ok_or("the fake engines' runtime stopped")??;
     register(addr, &args).await?;
     if let Some(engines) = &engines {
         // Let the service's listeners connect before the first events are published.
-        for e in engines.iter() {
-            e.lock()
-                .await
-                .engine
-                .wait_for_subscribers(1, Duration::from_secs(5))
-                .await;
-        }
+        let engines = Arc::clone(engines);
+        on_engines(&engines_rt, async move {
+            for e in engines.iter() {
+                e.lock()
+                    .await
+                    .engine
+                    .wait_for_subscribers(1, Duration::from_secs(5))
+                    .await;
+            }
+        })
+        .await;
     }
     let duration = Duration::from_secs_f64(args.duration_secs.clamp(0.1, 3600.0));
     let counter = Arc::new(AtomicU64::new(0));
@@ -346,7 +369,7 @@ async fn run_async(args: LoadgenArgs) -> Result<serde_json::Value, String> {
         for (i, _) in engines.iter().enumerate() {
             let engines = Arc::clone(engines);
             let prompts = Arc::clone(&prompts);
-            storm.push(tokio::spawn(async move {
+            storm.push(engines_rt.spawn(async move {
                 let mut n = i;
                 while start.elapsed() < duration {
                     // Random-looking prompts the fleet never asks for: pure index churn.
@@ -364,6 +387,7 @@ async fn run_async(args: LoadgenArgs) -> Result<serde_json::Value, String> {
     }
     for task in 0..args.concurrency.max(1) {
         let engines = engines.clone();
+        let engines_rt = engines_rt.clone();
         let prompts = Arc::clone(&prompts);
         let bodies = Arc::clone(&bodies);
         let counter = Arc::clone(&counter);
@@ -413,10 +437,16 @@ async fn run_async(args: LoadgenArgs) -> Result<serde_json::Value, String> {
                                     .ok()
                                     .and_then(|v| v["worker_id"].as_u64());
                                 // The engine that got the request now caches its prompt.
-                                if let (Some(engines), Some(w)) = (&engines, worker)
-                                    && let Some(engine) = engines.get((w as usize).wrapping_sub(1))
-                                {
-                                    engine.lock().await.cache_prompt(&prompts[index]).await;
+                                if let (Some(engines), Some(w)) = (&engines, worker) {
+                                    let engines = Arc::clone(engines);
+                                    let prompts = Arc::clone(&prompts);
+                                    let at = (w as usize).wrapping_sub(1);
+                                    on_engines(&engines_rt, async move {
+                                        if let Some(engine) = engines.get(at) {
+                                            engine.lock().await.cache_prompt(&prompts[index]).await;
+                                        }
+                                    })
+                                    .await;
                                 }
                                 Some(status)
                             }
@@ -539,8 +569,22 @@ pub fn run(args: LoadgenArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let engines_rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("fake-engines")
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kvroute loadgen: cannot start the engines' runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     let out = args.out.clone();
-    match runtime.block_on(run_async(args)) {
+    let result = runtime.block_on(run_async(args, engines_rt.handle().clone()));
+    engines_rt.shutdown_background();
+    match result {
         Ok(report) => {
             print_table(&report);
             if let Some(path) = out {

@@ -107,6 +107,12 @@ pub struct ServeConfig {
     /// rank exactly when it has no KV-event endpoint or the router runs with --no-kv-events.
     #[arg(long, env = "KVROUTE_APPROXIMATE_CACHE_POLICY", value_enum, default_value_t = ApproximatePolicy::Ttl)]
     pub approximate_cache_policy: ApproximatePolicy,
+
+    /// Niceness (0–19) of the thread that decodes and applies KV events. The listeners run on
+    /// their own thread, apart from the HTTP threads; above 0 the OS favours request handling
+    /// when both want the CPU, so an event storm delays the index rather than the selects.
+    #[arg(long, env = "KVROUTE_INGEST_NICE", default_value_t = 10)]
+    pub ingest_nice: u8,
 }
 
 fn finite_non_negative(name: &str, value: f64) -> Result<(), String> {
@@ -169,6 +175,7 @@ impl ServeConfig {
             max_indexed_blocks: 1 << 22,
             no_kv_events: false,
             approximate_cache_policy: ApproximatePolicy::Ttl,
+            ingest_nice: 10,
         }
     }
 
@@ -205,6 +212,12 @@ impl ServeConfig {
         }
         if self.max_indexed_blocks == 0 {
             return Err("--max-indexed-blocks must be at least 1".to_string());
+        }
+        if self.ingest_nice > 19 {
+            return Err(format!(
+                "--ingest-nice must be between 0 and 19 (got {})",
+                self.ingest_nice
+            ));
         }
         if self.body_limit_bytes < 1024 {
             return Err("--body-limit-bytes must be at least 1024".to_string());

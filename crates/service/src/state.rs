@@ -2,7 +2,7 @@
 //! the KV-event listeners. Requests, events and the periodic tick all reach the selector here.
 
 use crate::config::ServeConfig;
-use crate::ingest::{EventSink, IngestManager};
+use crate::ingest::{EventSink, IngestConfig, IngestManager};
 use crate::metrics::Metrics;
 use kvroute_core::event::KvEvent;
 use kvroute_core::selector::{Selector, WorkerRecord};
@@ -12,26 +12,61 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 /// Applies engine events to the selector (used by the listeners).
+///
+/// The listeners decode on their own low-priority thread and queue the decoded events here; one
+/// applier thread at normal priority takes the selector's write lock for a bounded amount of
+/// work at a time. A lock holder is therefore never a thread the OS deprioritised (which would
+/// leave selects waiting on it), and selects get the lock back after at most
+/// [`APPLY_BLOCKS_PER_LOCK`] blocks. The queue is bounded: when the applier falls behind, the
+/// listeners wait, the engines' sockets fill and what they drop shows up as sequence gaps,
+/// recovered by replay where the engine offers it.
 struct SelectorSink {
-    selector: Arc<RwLock<Selector>>,
-    metrics: Arc<Metrics>,
+    queue: std::sync::mpsc::SyncSender<(u64, u32, Vec<KvEvent>)>,
 }
 
+/// Most blocks applied under one acquisition of the write lock.
+const APPLY_BLOCKS_PER_LOCK: usize = 1024;
+/// Decoded batches waiting for the applier.
+const APPLY_QUEUE: usize = 1024;
+
 impl EventSink for SelectorSink {
-    fn apply(&self, worker_id: u64, dp_rank: u32, events: &[KvEvent]) -> bool {
-        let outcome = self
-            .selector
-            .write()
-            .apply_events(worker_id, dp_rank, events);
-        match outcome {
-            Some(outcome) => {
-                self.metrics.count_events(&outcome);
-                true
+    fn apply(&self, worker_id: u64, dp_rank: u32, events: Vec<KvEvent>) -> bool {
+        // Fails only once the applier is gone, at shutdown.
+        self.queue.send((worker_id, dp_rank, events)).is_ok()
+    }
+}
+
+fn event_blocks(events: &[KvEvent]) -> usize {
+    events
+        .iter()
+        .map(|e| match e {
+            KvEvent::Stored { blocks, .. } => blocks.len(),
+            KvEvent::Removed { engine_hashes, .. } => engine_hashes.len(),
+            KvEvent::Cleared => 1,
+        })
+        .sum()
+}
+
+/// The applier thread's loop: ends when every listener and the manager have dropped the sink.
+fn run_applier(
+    queue: std::sync::mpsc::Receiver<(u64, u32, Vec<KvEvent>)>,
+    selector: Arc<RwLock<Selector>>,
+    metrics: Arc<Metrics>,
+) {
+    while let Ok(first) = queue.recv() {
+        let mut next = Some(first);
+        let mut selector = selector.write();
+        let mut blocks = 0;
+        while let Some((worker_id, dp_rank, events)) = next.take() {
+            blocks += event_blocks(&events);
+            match selector.apply_events(worker_id, dp_rank, &events) {
+                Some(outcome) => metrics.count_events(&outcome),
+                None => {
+                    metrics.count_dropped_events("any", "unknown_worker", events.len() as u64);
+                }
             }
-            None => {
-                self.metrics
-                    .count_dropped_events("any", "unknown_worker", events.len() as u64);
-                false
+            if blocks < APPLY_BLOCKS_PER_LOCK {
+                next = queue.try_recv().ok();
             }
         }
     }
@@ -51,11 +86,24 @@ impl AppState {
         let selector_config = config.validate()?;
         let selector = Arc::new(RwLock::new(Selector::new(selector_config)));
         let metrics = Arc::new(Metrics::new());
-        let sink = Arc::new(SelectorSink {
-            selector: Arc::clone(&selector),
-            metrics: Arc::clone(&metrics),
-        });
-        let ingest = IngestManager::new(sink, Arc::clone(&metrics));
+        let (queue, receiver) = std::sync::mpsc::sync_channel(APPLY_QUEUE);
+        let sink = Arc::new(SelectorSink { queue });
+        {
+            let selector = Arc::clone(&selector);
+            let metrics = Arc::clone(&metrics);
+            std::thread::Builder::new()
+                .name("kvroute-apply".to_string())
+                .spawn(move || run_applier(receiver, selector, metrics))
+                .map_err(|e| format!("cannot start the KV-event applier thread: {e}"))?;
+        }
+        let ingest = IngestManager::with_config(
+            sink,
+            Arc::clone(&metrics),
+            IngestConfig {
+                dedicated_thread_nice: Some(config.ingest_nice),
+                ..IngestConfig::default()
+            },
+        );
         Ok(Arc::new(Self {
             selector,
             metrics,

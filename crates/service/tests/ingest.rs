@@ -634,10 +634,10 @@ async fn engine_coming_back_is_reconnected_and_its_restart_detected() {
 struct SelectorSink(Arc<RwLock<Selector>>);
 
 impl EventSink for SelectorSink {
-    fn apply(&self, worker_id: u64, dp_rank: u32, events: &[KvEvent]) -> bool {
+    fn apply(&self, worker_id: u64, dp_rank: u32, events: Vec<KvEvent>) -> bool {
         self.0
             .write()
-            .apply_events(worker_id, dp_rank, events)
+            .apply_events(worker_id, dp_rank, &events)
             .is_some()
     }
 }

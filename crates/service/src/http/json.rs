@@ -487,7 +487,10 @@ mod tests {
         let at = top_level_value_start(doc, b"token_ids").unwrap();
         assert_eq!(&doc[at..at + 3], b"[4]");
         assert_eq!(top_level_value_start(br#"{"x":1}"#, b"token_ids"), None);
-        assert_eq!(top_level_value_start(br#"["token_ids"]"#, b"token_ids"), None);
+        assert_eq!(
+            top_level_value_start(br#"["token_ids"]"#, b"token_ids"),
+            None
+        );
         assert_eq!(parse_token_array(b"[1, 2]x"), Some((vec![1, 2], 6)));
         assert_eq!(parse_token_array(b"[00]"), None);
     }

@@ -483,7 +483,7 @@ impl Listener {
         let ranks = std::mem::replace(&mut self.fed_ranks, BTreeSet::from([self.spec.dp_rank]));
         for rank in ranks {
             self.sink
-                .apply(self.spec.worker_id, rank, &[KvEvent::Cleared]);
+                .apply(self.spec.worker_id, rank, vec![KvEvent::Cleared]);
         }
         self.tracker.restart();
         self.tracker.classify(seq)
@@ -602,7 +602,7 @@ impl Listener {
         if events.is_empty() {
             return;
         }
-        if !self.sink.apply(self.spec.worker_id, rank, &events) {
+        if !self.sink.apply(self.spec.worker_id, rank, events) {
             tracing::debug!(
                 worker_id = self.spec.worker_id,
                 "KV events for a worker the selector no longer knows"

@@ -82,8 +82,9 @@ use zeromq::ZmqMessage;
 
 /// Where decoded events go.
 pub trait EventSink: Send + Sync + 'static {
-    /// Applies decoded events of one rank. Returns false when the worker is unknown.
-    fn apply(&self, worker_id: u64, dp_rank: u32, events: &[KvEvent]) -> bool;
+    /// Applies (or queues for applying) decoded events of one rank. Returns false when they
+    /// cannot be applied (the worker is unknown, or the sink is shutting down).
+    fn apply(&self, worker_id: u64, dp_rank: u32, events: Vec<KvEvent>) -> bool;
 }
 
 /// The values of the `kv_listener_state` gauge.
@@ -112,6 +113,10 @@ pub struct IngestConfig {
     pub max_buffered_messages: usize,
     /// Bytes of live messages kept during a replay.
     pub max_buffered_bytes: usize,
+    /// Run the listeners on a thread of their own at this niceness (0–19) instead of the
+    /// caller's runtime: decoding and applying events then never queues behind, or ahead of,
+    /// request handling, and above 0 the OS gives requests the CPU first.
+    pub dedicated_thread_nice: Option<u8>,
 }
 
 impl Default for IngestConfig {
@@ -125,6 +130,7 @@ impl Default for IngestConfig {
             max_replay_messages: 100_000,
             max_buffered_messages: 10_000,
             max_buffered_bytes: 64 << 20,
+            dedicated_thread_nice: None,
         }
     }
 }
@@ -149,6 +155,36 @@ pub struct IngestManager {
     /// Tasks started and not yet finished.
     running: Arc<AtomicUsize>,
     shut_down: AtomicBool,
+    /// The listeners' own runtime (one thread), when configured.
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+/// The listeners' runtime: one worker thread, lowered to `nice` when above 0.
+fn ingest_runtime(nice: u8) -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .max_blocking_threads(2)
+        .thread_name("kvroute-ingest")
+        .enable_all()
+        .on_thread_start(move || {
+            if nice == 0 {
+                return;
+            }
+            // Linux maps priorities 0..=99 of normal threads linearly onto niceness 19..=-20.
+            let value = ((19 - i32::from(nice.min(19))) * 99 / 39).clamp(0, 99) as u8;
+            let result = thread_priority::ThreadPriorityValue::try_from(value)
+                .map_err(|e| e.to_string())
+                .and_then(|v| {
+                    thread_priority::set_current_thread_priority(
+                        thread_priority::ThreadPriority::Crossplatform(v),
+                    )
+                    .map_err(|e| format!("{e:?}"))
+                });
+            if let Err(error) = result {
+                tracing::warn!(nice, %error, "could not lower the ingest thread's priority");
+            }
+        })
+        .build()
 }
 
 /// Decrements the running-listener count when a task ends (or is dropped unstarted).
@@ -170,6 +206,15 @@ impl IngestManager {
         metrics: Arc<Metrics>,
         config: IngestConfig,
     ) -> Self {
+        let runtime = config
+            .dedicated_thread_nice
+            .and_then(|nice| match ingest_runtime(nice) {
+                Ok(runtime) => Some(runtime),
+                Err(error) => {
+                    tracing::warn!(%error, "no ingest thread; listeners share the caller's runtime");
+                    None
+                }
+            });
         Self {
             sink,
             metrics,
@@ -177,6 +222,7 @@ impl IngestManager {
             workers: Mutex::new(HashMap::new()),
             running: Arc::new(AtomicUsize::new(0)),
             shut_down: AtomicBool::new(false),
+            runtime,
         }
     }
 
@@ -200,7 +246,11 @@ impl IngestManager {
         if !restart && workers.get(&worker_id).is_some_and(|w| w.specs == specs) {
             return;
         }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        let handle = match &self.runtime {
+            Some(runtime) => Ok(runtime.handle().clone()),
+            None => tokio::runtime::Handle::try_current(),
+        };
+        let Ok(runtime) = handle else {
             tracing::warn!(
                 worker_id,
                 "KV-event listeners not started: no async runtime on this thread"
@@ -268,6 +318,10 @@ impl Drop for IngestManager {
     fn drop(&mut self) {
         for (_, listeners) in self.workers.get_mut().drain() {
             let _ = listeners.stop.send(true);
+        }
+        // Dropping a runtime blocks, which async code must not do; this does not.
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
         }
     }
 }
