@@ -7,13 +7,14 @@
 //! trace (hash ids expanded into token ids, 512 tokens per id) or a synthetic shared-prefix set.
 
 use clap::{Args, ValueEnum};
+use hashbrown::HashSet;
 use kvroute_core::hash::{BASE_SEED, PromptHashes};
 use kvroute_service::client::HttpClient;
-use kvroute_service::fake_engine::FakeEngine;
+use kvroute_service::fake_engine::{FakeEngine, StoredBlocks};
 use kvroute_wire::Encoding;
 use serde_json::json;
 use std::collections::BTreeMap;
-use std::collections::{HashSet, VecDeque};
+use std::collections::VecDeque;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -148,28 +149,33 @@ struct Engine {
 }
 
 impl Engine {
-    async fn cache_prompt(&mut self, tokens: &[u32]) {
-        let hashes = PromptHashes::from_tokens(tokens, self.block_size as usize, BASE_SEED);
-        let have = hashes
-            .sequence
+    /// Caches a prompt whose block sequence hashes are `sequence` (the engine hashes too).
+    async fn cache_prompt(&mut self, tokens: &[u32], sequence: &[u64]) {
+        let have = sequence
             .iter()
-            .take_while(|h| self.held.contains(h))
+            .take_while(|h| self.held.contains(*h))
             .count();
-        if have == hashes.sequence.len() {
+        if have == sequence.len() {
             return;
         }
-        let parent = have.checked_sub(1).map(|i| hashes.sequence[i]);
+        let parent = have.checked_sub(1).map(|i| sequence[i]);
         let start = have * self.block_size as usize;
-        let end = hashes.sequence.len() * self.block_size as usize;
+        let end = sequence.len() * self.block_size as usize;
+        let blocks = StoredBlocks {
+            parent,
+            token_ids: &tokens[start..end],
+            block_size: self.block_size,
+            ..StoredBlocks::default()
+        };
         if self
             .engine
-            .publish_stored(parent, &tokens[start..end], self.block_size, None)
+            .publish_stored_hashed(&blocks, &sequence[have..])
             .await
             .is_err()
         {
             return;
         }
-        for &h in &hashes.sequence[have..] {
+        for &h in &sequence[have..] {
             if self.held.insert(h) {
                 self.order.push_back(h);
             }
@@ -335,6 +341,14 @@ async fn run_async(
             .collect(),
     );
     let mean_tokens = prompts.iter().map(Vec::len).sum::<usize>() / prompts.len();
+    // The engines' block hashes of every prompt, computed once, not per request.
+    let block_size = args.block_size as usize;
+    let sequences: Arc<Vec<Vec<u64>>> = Arc::new(
+        prompts
+            .iter()
+            .map(|p| PromptHashes::from_tokens(p, block_size, BASE_SEED).sequence)
+            .collect(),
+    );
     // The fake engines (stand-ins for engines on other hosts) run on a thread of their own, so
     // publishing never delays this process's clients, whose latencies are the measurement.
     let engine_args = args.clone();
@@ -377,7 +391,13 @@ async fn run_async(
                     for t in tokens.iter_mut().take(64) {
                         *t = t.wrapping_add(1 + (n as u32).wrapping_mul(7919));
                     }
-                    engines[i].lock().await.cache_prompt(&tokens).await;
+                    let sequence =
+                        PromptHashes::from_tokens(&tokens, block_size, BASE_SEED).sequence;
+                    engines[i]
+                        .lock()
+                        .await
+                        .cache_prompt(&tokens, &sequence)
+                        .await;
                     n += engines.len();
                     tokio::task::yield_now().await;
                 }
@@ -389,6 +409,7 @@ async fn run_async(
         let engines = engines.clone();
         let engines_rt = engines_rt.clone();
         let prompts = Arc::clone(&prompts);
+        let sequences = Arc::clone(&sequences);
         let bodies = Arc::clone(&bodies);
         let counter = Arc::clone(&counter);
         let label = args.label.clone();
@@ -440,10 +461,15 @@ async fn run_async(
                                 if let (Some(engines), Some(w)) = (&engines, worker) {
                                     let engines = Arc::clone(engines);
                                     let prompts = Arc::clone(&prompts);
+                                    let sequences = Arc::clone(&sequences);
                                     let at = (w as usize).wrapping_sub(1);
                                     on_engines(&engines_rt, async move {
                                         if let Some(engine) = engines.get(at) {
-                                            engine.lock().await.cache_prompt(&prompts[index]).await;
+                                            engine
+                                                .lock()
+                                                .await
+                                                .cache_prompt(&prompts[index], &sequences[index])
+                                                .await;
                                         }
                                     })
                                     .await;

@@ -151,6 +151,14 @@ pub fn stored_event(blocks: &StoredBlocks<'_>) -> (RawEvent, Vec<u64>) {
         blocks.block_size,
         blocks.lora_name,
     );
+    stored_event_with_hashes(blocks, hashes)
+}
+
+/// Like [`stored_event`] with the blocks' engine hashes already known (one per full block).
+pub fn stored_event_with_hashes(
+    blocks: &StoredBlocks<'_>,
+    hashes: Vec<u64>,
+) -> (RawEvent, Vec<u64>) {
     let full_tokens = hashes.len() * blocks.block_size as usize;
     let event = RawEvent::Stored(RawStored {
         block_hashes: hashes.clone(),
@@ -215,7 +223,12 @@ impl FakeEngine {
             })?;
         let ring = Arc::new(Mutex::new(ReplayRing {
             batches: VecDeque::new(),
-            capacity: DEFAULT_REPLAY_CAPACITY,
+            // Without a replay socket nothing is ever replayed: keep no copies.
+            capacity: if replay_address.is_some() {
+                DEFAULT_REPLAY_CAPACITY
+            } else {
+                0
+            },
             layout: ReplayLayout::default(),
             mode: ReplayMode::default(),
             topic: Vec::new(),
@@ -380,6 +393,18 @@ impl FakeEngine {
         Ok(hashes)
     }
 
+    /// Publishes a `BlockStored` whose engine hashes the caller already computed (one per full
+    /// block of `blocks.token_ids`, chained from `blocks.parent` as [`stored_event`] would).
+    pub async fn publish_stored_hashed(
+        &mut self,
+        blocks: &StoredBlocks<'_>,
+        hashes: &[u64],
+    ) -> Result<(), FakeEngineError> {
+        let (event, _) = stored_event_with_hashes(blocks, hashes.to_vec());
+        self.publish_events(vec![event]).await?;
+        Ok(())
+    }
+
     /// Publishes a `BlockRemoved`; returns its sequence number.
     pub async fn publish_removed(
         &mut self,
@@ -403,7 +428,12 @@ impl FakeEngine {
     pub async fn publish_payload(&mut self, payload: Vec<u8>) -> Result<u64, FakeEngineError> {
         let seq = self.next_seq;
         self.next_seq += 1;
-        self.ring.lock().push(seq, payload.clone());
+        {
+            let mut ring = self.ring.lock();
+            if ring.capacity > 0 {
+                ring.push(seq, payload.clone());
+            }
+        }
         if self.drop_live > 0 {
             self.drop_live -= 1;
             return Ok(seq);
