@@ -55,6 +55,12 @@ pub struct LoadgenArgs {
     /// for the whole run (an event storm).
     #[arg(long, default_value_t = false)]
     pub event_storm: bool,
+
+    /// Niceness (0–19) of the fake engines' thread. 0 lets them compete for the CPU like any
+    /// process; 19 stands in for engines on other hosts, whose publishing costs the router's
+    /// machine nothing: they then use only the CPU the service and the clients leave.
+    #[arg(long, default_value_t = 0)]
+    pub engine_nice: u8,
     /// Concurrent keep-alive connections (closed loop).
     #[arg(long, default_value_t = 32)]
     pub concurrency: usize,
@@ -547,6 +553,7 @@ async fn run_async(
         "errors": errors,
         "events": args.events_base_port.is_some(),
         "event_storm_prompts": storm_prompts,
+        "engine_nice": args.engine_nice,
         "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
     }))
 }
@@ -595,10 +602,22 @@ pub fn run(args: LoadgenArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let nice = args.engine_nice.min(19);
     let engines_rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .thread_name("fake-engines")
         .enable_all()
+        .on_thread_start(move || {
+            if nice > 0 {
+                // Normal threads' priorities 0..=99 map linearly onto niceness 19..=-20.
+                let value = ((19 - i32::from(nice)) * 99 / 39).clamp(0, 99) as u8;
+                if let Ok(v) = thread_priority::ThreadPriorityValue::try_from(value) {
+                    let _ = thread_priority::set_current_thread_priority(
+                        thread_priority::ThreadPriority::Crossplatform(v),
+                    );
+                }
+            }
+        })
         .build()
     {
         Ok(rt) => rt,
