@@ -107,6 +107,10 @@ pub struct ServeConfig {
     /// rank exactly when it has no KV-event endpoint or the router runs with --no-kv-events.
     #[arg(long, env = "KVROUTE_APPROXIMATE_CACHE_POLICY", value_enum, default_value_t = ApproximatePolicy::Ttl)]
     pub approximate_cache_policy: ApproximatePolicy,
+
+    /// Replica sync over NATS (SPEC §10).
+    #[command(flatten)]
+    pub sync: crate::sync::SyncConfig,
 }
 
 fn finite_non_negative(name: &str, value: f64) -> Result<(), String> {
@@ -169,6 +173,7 @@ impl ServeConfig {
             max_indexed_blocks: 1 << 22,
             no_kv_events: false,
             approximate_cache_policy: ApproximatePolicy::Ttl,
+            sync: crate::sync::SyncConfig::default(),
         }
     }
 
@@ -214,6 +219,7 @@ impl ServeConfig {
                 "--api-key must not be empty (omit it to disable authentication)".to_string(),
             );
         }
+        self.sync.validate()?;
         let ttl = positive_secs("selection-cache-ttl-secs", self.selection_cache_ttl_secs)?;
         let expiry = positive_secs(
             "active-request-expiry-secs",

@@ -42,6 +42,8 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     pub config: ServeConfig,
     pub ingest: IngestManager,
+    /// Replica sync hooks (no-ops without `--nats-url`).
+    pub sync: crate::sync::SyncHandle,
     shutting_down: AtomicBool,
 }
 
@@ -55,12 +57,14 @@ impl AppState {
             selector: Arc::clone(&selector),
             metrics: Arc::clone(&metrics),
         });
-        let ingest = IngestManager::new(sink, Arc::clone(&metrics));
+        let sync = crate::sync::SyncHandle::new(&config.sync, Arc::clone(&metrics));
+        let ingest = IngestManager::new(sync.wrap_sink(sink), Arc::clone(&metrics));
         Ok(Arc::new(Self {
             selector,
             metrics,
             config,
             ingest,
+            sync,
             shutting_down: AtomicBool::new(false),
         }))
     }
