@@ -163,6 +163,7 @@ impl SyncConfig {
 
 /// A change for the publisher.
 #[derive(Debug)]
+#[cfg_attr(not(feature = "nats"), allow(dead_code))]
 pub(crate) enum SyncOp {
     /// This replica's booking changed (booked, lifecycle call, freed).
     Booking(Arc<str>),
@@ -177,6 +178,7 @@ pub(crate) enum SyncOp {
 }
 
 #[derive(Debug)]
+#[cfg_attr(not(feature = "nats"), allow(dead_code))]
 pub(crate) struct SyncShared {
     pub replica_id: String,
     pub config: SyncConfig,
@@ -217,6 +219,7 @@ impl SyncHandle {
         }
     }
 
+    #[cfg_attr(not(feature = "nats"), allow(dead_code))]
     pub(crate) fn shared(&self) -> Option<&Arc<SyncShared>> {
         self.shared.as_ref()
     }

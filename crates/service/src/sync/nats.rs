@@ -128,22 +128,29 @@ async fn ensure_kv(
         if let Ok(store) = js.get_key_value(bucket).await {
             return Ok(store);
         }
+        // The stream a KV bucket is, created directly: the client's `create_key_value` first
+        // queries the account, whose reply NATS 2.9 (Debian 12) shapes differently.
         let created = js
-            .create_key_value(kv::Config {
-                bucket: bucket.to_string(),
-                history: 1,
+            .get_or_create_stream(stream::Config {
+                name: format!("KV_{bucket}"),
+                subjects: vec![format!("$KV.{bucket}.>")],
+                max_messages_per_subject: 1,
                 max_age,
                 storage: stream::StorageType::File,
+                allow_rollup: true,
+                deny_delete: true,
+                allow_direct: true,
+                discard: stream::DiscardPolicy::New,
+                num_replicas: 1,
                 ..Default::default()
             })
             .await;
         match created {
-            Ok(store) => Ok(store),
-            // Another replica created it meanwhile.
-            Err(e) => js
+            Ok(_) => js
                 .get_key_value(bucket)
                 .await
-                .map_err(|_| format!("bucket {bucket}: {e}")),
+                .map_err(|e| format!("bucket {bucket}: {e}")),
+            Err(e) => Err(format!("bucket {bucket}: {e}")),
         }
     };
     tokio::time::timeout(REQUEST_TIMEOUT, attempt)

@@ -1,0 +1,575 @@
+//! Several replicas sharing state through a real `nats-server` (SPEC §10): each test starts its
+//! own server on 127.0.0.1 with a free port and a temporary JetStream store, and kills it at the
+//! end. The server is the Debian package's binary: `KVROUTE_NATS_SERVER`, else `nats-server` on
+//! the PATH, else `/usr/sbin/nats-server`; without one the tests fail and say how to install it.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::TestApp;
+use kvroute_core::error::PartitionKey;
+use kvroute_core::selector::Prompt;
+use kvroute_service::fake_engine::FakeEngine;
+use kvroute_service::sync::{self, SyncTasks};
+use kvroute_service::{AppState, ServeConfig};
+use kvroute_wire::Encoding;
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const MODEL: &str = "m";
+const BLOCK: u32 = 4;
+const WAIT: Duration = Duration::from_secs(20);
+
+// ---------------------------------------------------------------------------------------------
+// A nats-server of our own
+
+fn nats_server_binary() -> PathBuf {
+    if let Some(path) = std::env::var_os("KVROUTE_NATS_SERVER") {
+        return PathBuf::from(path);
+    }
+    let on_path = std::env::var_os("PATH")
+        .map(|paths| {
+            std::env::split_paths(&paths)
+                .map(|dir| dir.join("nats-server"))
+                .find(|candidate| candidate.is_file())
+        })
+        .unwrap_or_default();
+    let found = on_path.or_else(|| {
+        let sbin = PathBuf::from("/usr/sbin/nats-server");
+        sbin.is_file().then_some(sbin)
+    });
+    found.unwrap_or_else(|| {
+        panic!(
+            "nats-server not found (looked at $KVROUTE_NATS_SERVER, the PATH and \
+             /usr/sbin/nats-server): install it with `apt-get install nats-server` \
+             (.ci/run does) or point KVROUTE_NATS_SERVER at the binary"
+        )
+    })
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Nats {
+    child: Option<Child>,
+    port: u16,
+    store: PathBuf,
+}
+
+impl Nats {
+    async fn start() -> Self {
+        let store = std::env::temp_dir().join(format!(
+            "kvroute-nats-{}-{}",
+            std::process::id(),
+            rand::random::<u64>()
+        ));
+        std::fs::create_dir_all(&store).unwrap();
+        let mut nats = Self {
+            child: None,
+            port: free_port(),
+            store,
+        };
+        nats.restart().await;
+        nats
+    }
+
+    fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// Starts the server (again, on the same port and store), waiting until it accepts.
+    async fn restart(&mut self) {
+        let child = Command::new(nats_server_binary())
+            .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-js", "-sd"])
+            .arg(&self.store)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start nats-server");
+        self.child = Some(child);
+        let deadline = Instant::now() + WAIT;
+        while tokio::net::TcpStream::connect(("127.0.0.1", self.port))
+            .await
+            .is_err()
+        {
+            assert!(Instant::now() < deadline, "nats-server did not start");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for Nats {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_dir_all(&self.store);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Replicas
+
+struct Replica {
+    app: TestApp,
+    tasks: SyncTasks,
+}
+
+impl Replica {
+    fn state(&self) -> &AppState {
+        &self.app.state
+    }
+}
+
+/// `kvroute serve --nats-url URL --replica-id ID --nats-snapshot-secs 1 EXTRA…`, in process.
+async fn replica(nats: &Nats, id: &str, extra: &[&str]) -> Replica {
+    let url = nats.url();
+    let mut args = vec![
+        "kvroute",
+        "--nats-url",
+        &url,
+        "--replica-id",
+        id,
+        "--nats-snapshot-secs",
+        "1",
+    ];
+    args.extend_from_slice(extra);
+    let app = TestApp::with_config(ServeConfig::parse_from(args).unwrap());
+    let tasks = sync::start(&app.state).await.unwrap().expect("sync on");
+    Replica { app, tasks }
+}
+
+async fn eventually(what: &str, mut check: impl FnMut() -> bool) -> Duration {
+    let start = Instant::now();
+    while !check() {
+        assert!(start.elapsed() < WAIT, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    start.elapsed()
+}
+
+fn worker(worker_id: u64) -> Value {
+    json!({
+        "worker_id": worker_id,
+        "model_name": MODEL,
+        "endpoint": format!("http://worker-{worker_id}"),
+        "block_size": BLOCK,
+    })
+}
+
+/// `(worker, rank) → (prefill tokens, decode blocks, requests)` as `/loads` reports them.
+fn loads(state: &AppState) -> BTreeMap<(u64, u32), (u64, u64, u64)> {
+    state
+        .selector
+        .read()
+        .loads(None, None)
+        .into_iter()
+        .flat_map(|p| p.loads)
+        .map(|l| {
+            (
+                (l.worker_id, l.dp_rank),
+                (
+                    l.potential_prefill_tokens,
+                    l.potential_decode_blocks,
+                    l.active_requests,
+                ),
+            )
+        })
+        .collect()
+}
+
+fn total_requests(state: &AppState) -> u64 {
+    loads(state).values().map(|l| l.2).sum()
+}
+
+fn workers(state: &AppState) -> Vec<u64> {
+    state
+        .selector
+        .read()
+        .list_workers(None, None)
+        .iter()
+        .map(|r| r.spec.worker_id)
+        .collect()
+}
+
+fn tokens(first: u32, count: u32) -> Vec<u32> {
+    (first..first + count).collect()
+}
+
+async fn book(replica: &Replica, id: &str, worker_id: u64, prompt: &[u32]) {
+    let reply = replica
+        .app
+        .post(
+            "/reservations",
+            json!({"reservation_id": id, "worker_id": worker_id, "model_name": MODEL,
+                   "token_ids": prompt}),
+        )
+        .await;
+    assert_eq!(reply.status, 201, "{}", reply.text);
+}
+
+async fn free(replica: &Replica, id: &str) {
+    let reply = replica.app.delete(&format!("/reservations/{id}")).await;
+    assert_eq!(reply.status, 200, "free {id}: {}", reply.text);
+}
+
+async fn metric(replica: &Replica, prefix: &str) -> f64 {
+    let text = replica.app.get("/metrics").await.text;
+    text.lines()
+        .filter(|line| line.starts_with(prefix))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+fn sorted_remote(state: &AppState) -> Vec<(String, String)> {
+    let mut remote = state.selector.read().remote_bookings();
+    remote.sort();
+    remote
+}
+
+// ---------------------------------------------------------------------------------------------
+// The README's scenario: two replicas, one catalog, one load view
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_share_catalog_and_bookings() {
+    let nats = Nats::start().await;
+    let a = replica(&nats, "a", &[]).await;
+    let b = replica(&nats, "b", &[]).await;
+
+    for id in [1, 2] {
+        let reply = a.app.post("/workers", worker(id)).await;
+        assert_eq!(reply.status, 201, "{}", reply.text);
+    }
+    eventually("B gets A's catalog", || workers(b.state()) == vec![1, 2]).await;
+
+    let reply = a
+        .app
+        .post(
+            "/select_and_reserve",
+            json!({"model_name": MODEL, "token_ids": tokens(1, 17), "reservation_id": "a1"}),
+        )
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.text);
+    book(&b, "b1", 2, &tokens(100, 9)).await;
+    let lag = eventually("both bookings on both replicas", || {
+        total_requests(a.state()) == 2 && loads(a.state()) == loads(b.state())
+    })
+    .await;
+    println!("bookings visible on the other replica within {lag:?}");
+
+    let reply = a.app.post("/reservations/a1/prefill_complete", json!({})).await;
+    assert_eq!(reply.status, 200);
+    eventually("prefill completion travels", || {
+        loads(b.state()) == loads(a.state())
+            && loads(b.state()).values().map(|l| l.0).sum::<u64>() == 9
+    })
+    .await;
+
+    // Another replica's booking is not a client's to free; its own is.
+    assert_eq!(b.app.delete("/reservations/a1").await.status, 404);
+    free(&a, "a1").await;
+    free(&b, "b1").await;
+    eventually("frees travel", || {
+        total_requests(a.state()) == 0 && total_requests(b.state()) == 0
+    })
+    .await;
+
+    // A replica ignores its own messages, applies the others', and drops unknown workers.
+    assert!(metric(&a, "kvroute_sync_messages_dropped_total{kind=\"booking\",reason=\"own\"}").await > 0.0);
+    assert!(metric(&b, "kvroute_sync_messages_applied_total{kind=\"booking_put\"}").await > 0.0);
+    assert!(metric(&b, "kvroute_sync_lag_seconds_count").await > 0.0);
+
+    // Raw messages from a third party: twice the same state counts once; an unknown worker is
+    // dropped and counted.
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let bucket = async_nats::jetstream::new(client)
+        .get_key_value("kvroute_bookings")
+        .await
+        .unwrap();
+    let partition = PartitionKey::new(MODEL, "default");
+    let state = json!({"v": 1, "replica": "x", "seq": 1, "ts_ms": 0, "worker_id": 1,
+        "dp_rank": 0, "block_size": BLOCK, "sequence_hashes": [1, 2], "isl_tokens": 8,
+        "effective_prefill_tokens": 8, "track_prefill_tokens": true, "prefill_complete": false,
+        "output_blocks": 0, "decode_blocks": 2});
+    let key = sync::codec::booking_key(&partition, "x", "x1");
+    for _ in 0..2 {
+        bucket
+            .put(&key, serde_json::to_vec(&state).unwrap().into())
+            .await
+            .unwrap();
+    }
+    let mut unknown = state.clone();
+    unknown["worker_id"] = json!(999);
+    bucket
+        .put(
+            sync::codec::booking_key(&partition, "x", "x2"),
+            serde_json::to_vec(&unknown).unwrap().into(),
+        )
+        .await
+        .unwrap();
+    let dropped = "kvroute_sync_messages_dropped_total{kind=\"booking\",reason=\"unknown_worker\"}";
+    let deadline = Instant::now() + WAIT;
+    while metric(&b, dropped).await < 1.0 {
+        assert!(Instant::now() < deadline, "unknown worker not counted");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(total_requests(b.state()), 1, "the same state twice counts once");
+    assert_eq!(total_requests(a.state()), 1);
+
+    // Deleting a worker on one replica deletes it everywhere.
+    assert_eq!(b.app.delete("/workers/2").await.status, 200);
+    eventually("A loses worker 2", || workers(a.state()) == vec![1]).await;
+    drop(a.tasks);
+    drop(b.tasks);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Faults
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bookings_made_while_nats_restarts_are_reconciled() {
+    let mut nats = Nats::start().await;
+    let a = replica(&nats, "a", &[]).await;
+    let b = replica(&nats, "b", &[]).await;
+    for id in [1, 2, 3] {
+        assert_eq!(a.app.post("/workers", worker(id)).await.status, 201);
+    }
+    eventually("catalog", || workers(b.state()).len() == 3).await;
+    book(&a, "a1", 1, &tokens(1, 8)).await;
+    book(&a, "a2", 2, &tokens(1, 8)).await;
+    book(&b, "b1", 3, &tokens(50, 8)).await;
+    eventually("synced", || {
+        total_requests(b.state()) == 3 && loads(a.state()) == loads(b.state())
+    })
+    .await;
+
+    nats.stop();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // During the outage both sides keep serving.
+    free(&a, "a1").await;
+    book(&a, "a3", 3, &tokens(200, 12)).await;
+    book(&b, "b2", 1, &tokens(300, 5)).await;
+    free(&b, "b1").await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    nats.restart().await;
+    let restarted = Instant::now();
+
+    eventually("views reconciled after the outage", || {
+        sorted_remote(a.state()) == vec![("b".to_string(), "b2".to_string())]
+            && sorted_remote(b.state())
+                == vec![
+                    ("a".to_string(), "a2".to_string()),
+                    ("a".to_string(), "a3".to_string()),
+                ]
+            && loads(a.state()) == loads(b.state())
+    })
+    .await;
+    println!(
+        "NATS restart: views agree {:?} after the server accepted connections again",
+        restarted.elapsed()
+    );
+    assert_eq!(total_requests(a.state()), 3, "no booking lost, none doubled");
+    assert!(metric(&a, "kvroute_sync_reconnects_total").await >= 1.0);
+    assert!(metric(&b, "kvroute_sync_reconnects_total").await >= 1.0);
+    // Both keep syncing afterwards.
+    free(&a, "a2").await;
+    eventually("a free after the restart travels", || {
+        total_requests(b.state()) == 2
+    })
+    .await;
+    drop(a.tasks);
+    drop(b.tasks);
+}
+
+fn device_blocks(state: &AppState, worker_id: u64, prompt: &[u32]) -> u32 {
+    let selector = state.selector.read();
+    selector
+        .overlap_scores(
+            &PartitionKey::new(MODEL, "default"),
+            Prompt::Tokens {
+                tokens: prompt,
+                lora_name: None,
+                cache_salt: None,
+            },
+        )
+        .ok()
+        .and_then(|scores| {
+            scores
+                .workers
+                .iter()
+                .find(|w| w.worker_id == worker_id)
+                .map(|w| w.device_blocks)
+        })
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_replica_recovers_its_bookings_and_the_index() {
+    let nats = Nats::start().await;
+    let relay = ["--nats-relay-events"];
+    let a = replica(&nats, "a", &relay).await;
+    let b = replica(&nats, "b", &relay).await;
+    let mut engine = FakeEngine::bind("tcp://127.0.0.1:0", None, Encoding::Array)
+        .await
+        .unwrap();
+    let mut with_events = worker(1);
+    with_events["kv_events_endpoint"] = json!(engine.pub_endpoint());
+    assert_eq!(a.app.post("/workers", with_events).await.status, 201);
+    assert_eq!(a.app.post("/workers", worker(2)).await.status, 201);
+    eventually("catalog", || workers(b.state()) == vec![1, 2]).await;
+    assert_eq!(
+        b.state().ingest.active_listeners(),
+        0,
+        "with the relay, only the registering replica opens the engine's stream"
+    );
+
+    // Publish until A's listener is subscribed, then a prompt: both indexes hold it, B's via
+    // the relayed stream.
+    let probe = tokens(9_000, 4);
+    let deadline = Instant::now() + WAIT;
+    while device_blocks(a.state(), 1, &probe) == 0 {
+        assert!(Instant::now() < deadline, "listener never subscribed");
+        engine.publish_stored(None, &probe, BLOCK, None).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let prompt = tokens(1, 40);
+    engine
+        .publish_stored(None, &prompt, BLOCK, None)
+        .await
+        .unwrap();
+    eventually("B's index via the relay", || {
+        device_blocks(b.state(), 1, &prompt) == 10
+    })
+    .await;
+
+    book(&a, "a1", 1, &prompt).await;
+    book(&b, "b1", 2, &tokens(500, 8)).await;
+    eventually("synced", || {
+        total_requests(a.state()) == 2 && loads(a.state()) == loads(b.state())
+    })
+    .await;
+    let before = loads(a.state());
+
+    // Kill B and start it again under the same id.
+    drop(b);
+    let started = Instant::now();
+    let b = replica(&nats, "b", &relay).await;
+    let recovered = started.elapsed();
+    println!(
+        "replica b restarted: catch-up {:?} (start() returned after {recovered:?}); \
+         bookings and index recovered on return",
+        b.tasks.catch_up
+    );
+    assert_eq!(loads(b.state()), before, "bookings recovered");
+    assert_eq!(device_blocks(b.state(), 1, &prompt), 10, "index recovered");
+    assert_eq!(b.state().ingest.active_listeners(), 0);
+    free(&b, "b1").await;
+    eventually("B's own recovered booking freed everywhere", || {
+        total_requests(a.state()) == 1
+    })
+    .await;
+
+    // Kill A, the replica that consumes the engine: it recovers too, and resumes consuming.
+    drop(a);
+    let started = Instant::now();
+    let a = replica(&nats, "a", &relay).await;
+    println!(
+        "replica a (the engine's consumer) restarted: recovered in {:?}",
+        started.elapsed()
+    );
+    assert_eq!(total_requests(a.state()), 1);
+    assert_eq!(device_blocks(a.state(), 1, &prompt), 10);
+    assert_eq!(a.state().ingest.active_listeners(), 1);
+    free(&a, "a1").await;
+    eventually("A's own recovered booking freed everywhere", || {
+        total_requests(b.state()) == 0
+    })
+    .await;
+    let later = tokens(100, 8);
+    let deadline = Instant::now() + WAIT;
+    while device_blocks(b.state(), 1, &later) == 0 {
+        assert!(Instant::now() < deadline, "relay did not resume");
+        engine.publish_stored(None, &later, BLOCK, None).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop(a.tasks);
+    drop(b.tasks);
+}
+
+/// Bookings per worker after `requests` select_and_reserve calls for one popular prefix, split
+/// over two replicas in concurrent pairs; `(max, min)` over the workers.
+async fn herd(nats: Option<&Nats>, workers: u64, requests: u32) -> (u64, u64) {
+    let (a, b) = match nats {
+        Some(nats) => {
+            let a = replica(nats, "a", &[]).await;
+            let b = replica(nats, "b", &[]).await;
+            (a.app, b.app)
+        }
+        None => (TestApp::new(), TestApp::new()),
+    };
+    for id in 1..=workers {
+        assert_eq!(a.post("/workers", worker(id)).await.status, 201);
+        if nats.is_none() {
+            assert_eq!(b.post("/workers", worker(id)).await.status, 201);
+        }
+    }
+    eventually("catalog", || {
+        workers as usize == b.state.selector.read().list_workers(None, None).len()
+    })
+    .await;
+    let popular = tokens(1, 32 * BLOCK);
+    let body = |i: u32| {
+        let mut prompt = popular.clone();
+        prompt.extend(tokens(100_000 + i * 8, 8));
+        json!({"model_name": MODEL, "token_ids": prompt, "reservation_id": format!("r{i}")})
+    };
+    for pair in 0..requests / 2 {
+        let (x, y) = tokio::join!(
+            a.post("/select_and_reserve", body(2 * pair)),
+            b.post("/select_and_reserve", body(2 * pair + 1)),
+        );
+        assert_eq!(x.status, 200, "{}", x.text);
+        assert_eq!(y.status, 200, "{}", y.text);
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let mut per_worker: BTreeMap<u64, u64> = (1..=workers).map(|w| (w, 0)).collect();
+    for app in [&a, &b] {
+        for (_, booking) in app.state.selector.read().local_bookings() {
+            *per_worker.entry(booking.worker_id).or_default() += 1;
+        }
+    }
+    println!("bookings per worker: {per_worker:?}");
+    let max = per_worker.values().copied().max().unwrap_or(0);
+    let min = per_worker.values().copied().min().unwrap_or(0);
+    (max, min)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_spreads_a_popular_prefix_over_the_workers() {
+    let (workers, requests) = (4, 64);
+    let off = herd(None, workers, requests).await;
+    let nats = Nats::start().await;
+    let on = herd(Some(&nats), workers, requests).await;
+    println!(
+        "herding, {requests} select_and_reserve over 2 replicas, {workers} workers: \
+         sync off max/min bookings per worker {}/{}, sync on {}/{}",
+        off.0, off.1, on.0, on.1
+    );
+    assert!(
+        on.0 - on.1 < off.0 - off.1,
+        "sync on ({on:?}) must spread better than off ({off:?})"
+    );
+}
