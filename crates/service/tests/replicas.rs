@@ -512,10 +512,12 @@ async fn a_restarted_replica_recovers_its_bookings_and_the_index() {
 /// Bookings per worker after `requests` select_and_reserve calls for one popular prefix, split
 /// over two replicas in concurrent pairs; `(max, min)` over the workers.
 async fn herd(nats: Option<&Nats>, workers: u64, requests: u32) -> (u64, u64) {
+    let mut tasks = Vec::new();
     let (a, b) = match nats {
         Some(nats) => {
             let a = replica(nats, "a", &[]).await;
             let b = replica(nats, "b", &[]).await;
+            tasks.extend([a.tasks, b.tasks]);
             (a.app, b.app)
         }
         None => (TestApp::new(), TestApp::new()),
@@ -552,6 +554,7 @@ async fn herd(nats: Option<&Nats>, workers: u64, requests: u32) -> (u64, u64) {
         }
     }
     println!("bookings per worker: {per_worker:?}");
+    drop(tasks);
     let max = per_worker.values().copied().max().unwrap_or(0);
     let min = per_worker.values().copied().min().unwrap_or(0);
     (max, min)

@@ -294,7 +294,7 @@ async fn watch_catalog(ctx: Arc<Ctx>, ready: oneshot::Sender<()>) {
     let mut generation = ctx.generation.clone();
     loop {
         let watch = match ctx.catalog().await {
-            Ok(store) => tokio::time::timeout(REQUEST_TIMEOUT, store.watch_all()).await,
+            Ok(store) => tokio::time::timeout(REQUEST_TIMEOUT, store.watch_with_history(">")).await,
             Err(e) => {
                 tracing::warn!(error = %e, "catalog watch: bucket unavailable");
                 tokio::time::sleep(RETRY_PAUSE).await;
@@ -396,7 +396,7 @@ async fn watch_bookings(ctx: Arc<Ctx>, ready: oneshot::Sender<()>) {
     let mut first_watch = true;
     loop {
         let watch = match ctx.bookings().await {
-            Ok(store) => tokio::time::timeout(REQUEST_TIMEOUT, store.watch_all()).await,
+            Ok(store) => tokio::time::timeout(REQUEST_TIMEOUT, store.watch_with_history(">")).await,
             Err(e) => {
                 tracing::warn!(error = %e, "bookings watch: bucket unavailable");
                 tokio::time::sleep(RETRY_PAUSE).await;
