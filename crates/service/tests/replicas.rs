@@ -88,7 +88,14 @@ impl Nats {
     /// Starts the server (again, on the same port and store), waiting until it accepts.
     async fn restart(&mut self) {
         let child = Command::new(nats_server_binary())
-            .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-js", "-sd"])
+            .args([
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-js",
+                "-sd",
+            ])
             .arg(&self.store)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -270,7 +277,10 @@ async fn two_replicas_share_catalog_and_bookings() {
     .await;
     println!("bookings visible on the other replica within {lag:?}");
 
-    let reply = a.app.post("/reservations/a1/prefill_complete", json!({})).await;
+    let reply = a
+        .app
+        .post("/reservations/a1/prefill_complete", json!({}))
+        .await;
     assert_eq!(reply.status, 200);
     eventually("prefill completion travels", || {
         loads(b.state()) == loads(a.state())
@@ -288,8 +298,22 @@ async fn two_replicas_share_catalog_and_bookings() {
     .await;
 
     // A replica ignores its own messages, applies the others', and drops unknown workers.
-    assert!(metric(&a, "kvroute_sync_messages_dropped_total{kind=\"booking\",reason=\"own\"}").await > 0.0);
-    assert!(metric(&b, "kvroute_sync_messages_applied_total{kind=\"booking_put\"}").await > 0.0);
+    assert!(
+        metric(
+            &a,
+            "kvroute_sync_messages_dropped_total{kind=\"booking\",reason=\"own\"}"
+        )
+        .await
+            > 0.0
+    );
+    assert!(
+        metric(
+            &b,
+            "kvroute_sync_messages_applied_total{kind=\"booking_put\"}"
+        )
+        .await
+            > 0.0
+    );
     assert!(metric(&b, "kvroute_sync_lag_seconds_count").await > 0.0);
 
     // Raw messages from a third party: twice the same state counts once; an unknown worker is
@@ -326,7 +350,11 @@ async fn two_replicas_share_catalog_and_bookings() {
         assert!(Instant::now() < deadline, "unknown worker not counted");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert_eq!(total_requests(b.state()), 1, "the same state twice counts once");
+    assert_eq!(
+        total_requests(b.state()),
+        1,
+        "the same state twice counts once"
+    );
     assert_eq!(total_requests(a.state()), 1);
 
     // Deleting a worker on one replica deletes it everywhere.
@@ -381,7 +409,11 @@ async fn bookings_made_while_nats_restarts_are_reconciled() {
         "NATS restart: views agree {:?} after the server accepted connections again",
         restarted.elapsed()
     );
-    assert_eq!(total_requests(a.state()), 3, "no booking lost, none doubled");
+    assert_eq!(
+        total_requests(a.state()),
+        3,
+        "no booking lost, none doubled"
+    );
     assert!(metric(&a, "kvroute_sync_reconnects_total").await >= 1.0);
     assert!(metric(&b, "kvroute_sync_reconnects_total").await >= 1.0);
     // Both keep syncing afterwards.
@@ -442,7 +474,10 @@ async fn a_restarted_replica_recovers_its_bookings_and_the_index() {
     let deadline = Instant::now() + WAIT;
     while device_blocks(a.state(), 1, &probe) == 0 {
         assert!(Instant::now() < deadline, "listener never subscribed");
-        engine.publish_stored(None, &probe, BLOCK, None).await.unwrap();
+        engine
+            .publish_stored(None, &probe, BLOCK, None)
+            .await
+            .unwrap();
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let prompt = tokens(1, 40);
@@ -502,11 +537,29 @@ async fn a_restarted_replica_recovers_its_bookings_and_the_index() {
     let deadline = Instant::now() + WAIT;
     while device_blocks(b.state(), 1, &later) == 0 {
         assert!(Instant::now() < deadline, "relay did not resume");
-        engine.publish_stored(None, &later, BLOCK, None).await.unwrap();
+        engine
+            .publish_stored(None, &later, BLOCK, None)
+            .await
+            .unwrap();
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     drop(a.tasks);
     drop(b.tasks);
+}
+
+/// One request's flow: select_and_reserve (the popular prefix plus its own suffix), then its
+/// prefill completes.
+async fn serve(app: &TestApp, popular: &[u32], i: u32) {
+    let mut prompt = popular.to_vec();
+    prompt.extend(tokens(100_000 + i * 8, 8));
+    let request =
+        json!({"model_name": MODEL, "token_ids": prompt, "reservation_id": format!("r{i}")});
+    let reply = app.post("/select_and_reserve", request).await;
+    assert_eq!(reply.status, 200, "{}", reply.text);
+    let done = app
+        .post(&format!("/reservations/r{i}/prefill_complete"), json!({}))
+        .await;
+    assert_eq!(done.status, 200);
 }
 
 /// Bookings per worker after `requests` select_and_reserve calls for one popular prefix, split
@@ -532,19 +585,24 @@ async fn herd(nats: Option<&Nats>, workers: u64, requests: u32) -> (u64, u64) {
         workers as usize == b.state.selector.read().list_workers(None, None).len()
     })
     .await;
+    // Worker 1 served the popular prefix recently: both replicas predict it cached there (their
+    // approximate cache model learns from their own bookings), as both would see it in an
+    // engine's KV events; that is what makes independent replicas herd.
     let popular = tokens(1, 32 * BLOCK);
-    let body = |i: u32| {
-        let mut prompt = popular.clone();
-        prompt.extend(tokens(100_000 + i * 8, 8));
-        json!({"model_name": MODEL, "token_ids": prompt, "reservation_id": format!("r{i}")})
-    };
+    for (app, id) in [(&a, "warm-a"), (&b, "warm-b")] {
+        let reply = app
+            .post(
+                "/reservations",
+                json!({"reservation_id": id, "worker_id": 1, "model_name": MODEL,
+                       "token_ids": popular}),
+            )
+            .await;
+        assert_eq!(reply.status, 201, "{}", reply.text);
+        assert_eq!(app.delete(&format!("/reservations/{id}")).await.status, 200);
+    }
     for pair in 0..requests / 2 {
-        let (x, y) = tokio::join!(
-            a.post("/select_and_reserve", body(2 * pair)),
-            b.post("/select_and_reserve", body(2 * pair + 1)),
-        );
-        assert_eq!(x.status, 200, "{}", x.text);
-        assert_eq!(y.status, 200, "{}", y.text);
+        let (i, j) = (2 * pair, 2 * pair + 1);
+        tokio::join!(serve(&a, &popular, i), serve(&b, &popular, j));
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let mut per_worker: BTreeMap<u64, u64> = (1..=workers).map(|w| (w, 0)).collect();
