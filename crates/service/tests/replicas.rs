@@ -5,6 +5,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
+#[path = "common/nats.rs"]
+mod nats;
 
 use common::TestApp;
 use kvroute_core::error::PartitionKey;
@@ -13,119 +15,14 @@ use kvroute_service::fake_engine::FakeEngine;
 use kvroute_service::sync::{self, SyncTasks};
 use kvroute_service::{AppState, ServeConfig};
 use kvroute_wire::Encoding;
+use nats::Nats;
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 const MODEL: &str = "m";
 const BLOCK: u32 = 4;
 const WAIT: Duration = Duration::from_secs(20);
-
-// ---------------------------------------------------------------------------------------------
-// A nats-server of our own
-
-fn nats_server_binary() -> PathBuf {
-    if let Some(path) = std::env::var_os("KVROUTE_NATS_SERVER") {
-        return PathBuf::from(path);
-    }
-    let on_path = std::env::var_os("PATH")
-        .map(|paths| {
-            std::env::split_paths(&paths)
-                .map(|dir| dir.join("nats-server"))
-                .find(|candidate| candidate.is_file())
-        })
-        .unwrap_or_default();
-    let found = on_path.or_else(|| {
-        let sbin = PathBuf::from("/usr/sbin/nats-server");
-        sbin.is_file().then_some(sbin)
-    });
-    found.unwrap_or_else(|| {
-        panic!(
-            "nats-server not found (looked at $KVROUTE_NATS_SERVER, the PATH and \
-             /usr/sbin/nats-server): install it with `apt-get install nats-server` \
-             (.ci/run does) or point KVROUTE_NATS_SERVER at the binary"
-        )
-    })
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-struct Nats {
-    child: Option<Child>,
-    port: u16,
-    store: PathBuf,
-}
-
-impl Nats {
-    async fn start() -> Self {
-        let store = std::env::temp_dir().join(format!(
-            "kvroute-nats-{}-{}",
-            std::process::id(),
-            rand::random::<u64>()
-        ));
-        std::fs::create_dir_all(&store).unwrap();
-        let mut nats = Self {
-            child: None,
-            port: free_port(),
-            store,
-        };
-        nats.restart().await;
-        nats
-    }
-
-    fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.port)
-    }
-
-    /// Starts the server (again, on the same port and store), waiting until it accepts.
-    async fn restart(&mut self) {
-        let child = Command::new(nats_server_binary())
-            .args([
-                "-a",
-                "127.0.0.1",
-                "-p",
-                &self.port.to_string(),
-                "-js",
-                "-sd",
-            ])
-            .arg(&self.store)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start nats-server");
-        self.child = Some(child);
-        let deadline = Instant::now() + WAIT;
-        while tokio::net::TcpStream::connect(("127.0.0.1", self.port))
-            .await
-            .is_err()
-        {
-            assert!(Instant::now() < deadline, "nats-server did not start");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    fn stop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-impl Drop for Nats {
-    fn drop(&mut self) {
-        self.stop();
-        let _ = std::fs::remove_dir_all(&self.store);
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Replicas
@@ -252,7 +149,7 @@ fn sorted_remote(state: &AppState) -> Vec<(String, String)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_replicas_share_catalog_and_bookings() {
-    let nats = Nats::start().await;
+    let nats = Nats::start();
     let a = replica(&nats, "a", &[]).await;
     let b = replica(&nats, "b", &[]).await;
 
@@ -369,7 +266,7 @@ async fn two_replicas_share_catalog_and_bookings() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bookings_made_while_nats_restarts_are_reconciled() {
-    let mut nats = Nats::start().await;
+    let mut nats = Nats::start();
     let a = replica(&nats, "a", &[]).await;
     let b = replica(&nats, "b", &[]).await;
     for id in [1, 2, 3] {
@@ -392,7 +289,7 @@ async fn bookings_made_while_nats_restarts_are_reconciled() {
     book(&b, "b2", 1, &tokens(300, 5)).await;
     free(&b, "b1").await;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    nats.restart().await;
+    nats.restart();
     let restarted = Instant::now();
 
     eventually("views reconciled after the outage", || {
@@ -450,7 +347,7 @@ fn device_blocks(state: &AppState, worker_id: u64, prompt: &[u32]) -> u32 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_replica_recovers_its_bookings_and_the_index() {
-    let nats = Nats::start().await;
+    let nats = Nats::start();
     let relay = ["--nats-relay-events"];
     let a = replica(&nats, "a", &relay).await;
     let b = replica(&nats, "b", &relay).await;
@@ -622,7 +519,7 @@ async fn herd(nats: Option<&Nats>, workers: u64, requests: u32) -> (u64, u64) {
 async fn sync_spreads_a_popular_prefix_over_the_workers() {
     let (workers, requests) = (4, 64);
     let off = herd(None, workers, requests).await;
-    let nats = Nats::start().await;
+    let nats = Nats::start();
     let on = herd(Some(&nats), workers, requests).await;
     println!(
         "herding, {requests} select_and_reserve over 2 replicas, {workers} workers: \

@@ -247,6 +247,7 @@ pub async fn start(state: &Arc<AppState>) -> Result<Option<SyncTasks>, String> {
         ctx: Arc::clone(&ctx),
         published: HashMap::new(),
         seq: 0,
+        stores: None,
     };
     tasks.push(tokio::spawn(publisher.run(rx)));
     let catch_up = started.elapsed();
@@ -696,6 +697,8 @@ struct Publisher {
     /// What this replica believes the bucket holds for each of its bookings.
     published: HashMap<Arc<str>, (String, SyncedBooking)>,
     seq: u64,
+    /// The bookings and catalog buckets, looked up again after a failure or a reconnect.
+    stores: Option<(kv::Store, kv::Store)>,
 }
 
 impl Publisher {
@@ -873,6 +876,9 @@ impl Publisher {
     /// Brings the bucket in line with this replica's live bookings. `full`: do not trust what
     /// was published (after a reconnect): delete every own key that is not live, re-put all.
     async fn reconcile(&mut self, full: bool) {
+        if full {
+            self.stores = None;
+        }
         let live = self.live_bookings();
         let mut writes = Vec::new();
         if full {
@@ -936,11 +942,13 @@ impl Publisher {
         if writes.is_empty() {
             return;
         }
-        let stores = match (self.ctx.bookings().await, self.ctx.catalog().await) {
-            (Ok(bookings), Ok(catalog)) => Some((bookings, catalog)),
-            _ => None,
-        };
-        let Some((bookings, catalog)) = stores else {
+        if self.stores.is_none() {
+            self.stores = match (self.ctx.bookings().await, self.ctx.catalog().await) {
+                (Ok(bookings), Ok(catalog)) => Some((bookings, catalog)),
+                _ => None,
+            };
+        }
+        let Some((bookings, catalog)) = self.stores.clone() else {
             self.failed(writes);
             return;
         };
@@ -996,6 +1004,7 @@ impl Publisher {
         if writes.is_empty() {
             return;
         }
+        self.stores = None;
         for write in &writes {
             self.ctx
                 .metrics()
