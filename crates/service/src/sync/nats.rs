@@ -287,6 +287,26 @@ impl CatchUp {
     }
 }
 
+/// A watch of every key of a bucket, current values first; `None` (after a pause, to retry)
+/// when the bucket or the watch is unavailable.
+async fn history_watch(store: Result<kv::Store, String>) -> Option<kv::Watch> {
+    let watch = match store {
+        Ok(store) => tokio::time::timeout(REQUEST_TIMEOUT, store.watch_with_history(">")).await,
+        Err(e) => {
+            tracing::warn!(error = %e, "replica sync: bucket unavailable");
+            tokio::time::sleep(RETRY_PAUSE).await;
+            return None;
+        }
+    };
+    match watch {
+        Ok(Ok(watch)) => Some(watch),
+        _ => {
+            tokio::time::sleep(RETRY_PAUSE).await;
+            None
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Catalog
 
@@ -294,16 +314,7 @@ async fn watch_catalog(ctx: Arc<Ctx>, ready: oneshot::Sender<()>) {
     let mut catch_up = CatchUp(Some(ready));
     let mut generation = ctx.generation.clone();
     loop {
-        let watch = match ctx.catalog().await {
-            Ok(store) => tokio::time::timeout(REQUEST_TIMEOUT, store.watch_with_history(">")).await,
-            Err(e) => {
-                tracing::warn!(error = %e, "catalog watch: bucket unavailable");
-                tokio::time::sleep(RETRY_PAUSE).await;
-                continue;
-            }
-        };
-        let Ok(Ok(mut watch)) = watch else {
-            tokio::time::sleep(RETRY_PAUSE).await;
+        let Some(mut watch) = history_watch(ctx.catalog().await).await else {
             continue;
         };
         if ctx.bucket_messages(&ctx.catalog_bucket).await == 0 {
@@ -396,16 +407,7 @@ async fn watch_bookings(ctx: Arc<Ctx>, ready: oneshot::Sender<()>) {
     // reconnect) replace the view of the others with the bucket's content.
     let mut first_watch = true;
     loop {
-        let watch = match ctx.bookings().await {
-            Ok(store) => tokio::time::timeout(REQUEST_TIMEOUT, store.watch_with_history(">")).await,
-            Err(e) => {
-                tracing::warn!(error = %e, "bookings watch: bucket unavailable");
-                tokio::time::sleep(RETRY_PAUSE).await;
-                continue;
-            }
-        };
-        let Ok(Ok(mut watch)) = watch else {
-            tokio::time::sleep(RETRY_PAUSE).await;
+        let Some(mut watch) = history_watch(ctx.bookings().await).await else {
             continue;
         };
         let mut initial = ctx.bucket_messages(&ctx.bookings_bucket).await > 0;
