@@ -531,3 +531,74 @@ async fn sync_spreads_a_popular_prefix_over_the_workers() {
         "sync on ({on:?}) must spread better than off ({off:?})"
     );
 }
+
+/// Recovery time of a restarted replica with a few thousand live bookings and relayed event
+/// batches (printed for the closing note; asserted complete).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_recovery_time_with_thousands_of_bookings_and_events() {
+    const BOOKINGS: u32 = 2_000;
+    const BATCHES: u32 = 1_000;
+    let nats = Nats::start();
+    let relay = ["--nats-relay-events"];
+    let a = replica(&nats, "a", &relay).await;
+    let mut engine = FakeEngine::bind("tcp://127.0.0.1:0", None, Encoding::Array)
+        .await
+        .unwrap();
+    let mut with_events = worker(1);
+    with_events["kv_events_endpoint"] = json!(engine.pub_endpoint());
+    assert_eq!(a.app.post("/workers", with_events).await.status, 201);
+    assert_eq!(a.app.post("/workers", worker(2)).await.status, 201);
+    let probe = tokens(9_000_000, 4);
+    let deadline = Instant::now() + WAIT;
+    while device_blocks(a.state(), 1, &probe) == 0 {
+        assert!(Instant::now() < deadline, "listener never subscribed");
+        engine
+            .publish_stored(None, &probe, BLOCK, None)
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Distinct 16-block prompts, one stored batch each.
+    let prompt = |i: u32| tokens(i * 64, 64);
+    for i in 0..BATCHES {
+        engine
+            .publish_stored(None, &prompt(i), BLOCK, None)
+            .await
+            .unwrap();
+    }
+    eventually("A indexed every batch", || {
+        device_blocks(a.state(), 1, &prompt(BATCHES - 1)) == 16
+    })
+    .await;
+    for i in 0..BOOKINGS {
+        book(
+            &a,
+            &format!("a{i}"),
+            1 + u64::from(i % 2),
+            &prompt(i % BATCHES),
+        )
+        .await;
+    }
+    let a_loads = loads(a.state());
+    let b_first = replica(&nats, "b", &relay).await;
+    eventually("B has every booking", || loads(b_first.state()) == a_loads).await;
+    drop(b_first);
+
+    let started = Instant::now();
+    let b = replica(&nats, "b", &relay).await;
+    let recovered = started.elapsed();
+    assert_eq!(
+        loads(b.state()),
+        a_loads,
+        "every booking recovered at start"
+    );
+    for i in [0, BATCHES / 2, BATCHES - 1] {
+        assert_eq!(device_blocks(b.state(), 1, &prompt(i)), 16, "batch {i}");
+    }
+    println!(
+        "restart with {BOOKINGS} live bookings and {BATCHES} relayed event batches of 16 blocks: \
+         bookings and index recovered in {recovered:?}"
+    );
+    drop(a.tasks);
+    drop(b.tasks);
+}

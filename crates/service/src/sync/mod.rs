@@ -297,3 +297,46 @@ impl EventSink for RelaySink {
         known
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_knobs_are_named() {
+        let config = |f: fn(&mut SyncConfig)| {
+            let mut c = SyncConfig::default();
+            f(&mut c);
+            c.validate()
+        };
+        assert!(config(|_| {}).is_ok());
+        assert!(
+            config(|c| c.replica_id = Some("a.b".into()))
+                .unwrap_err()
+                .contains("--replica-id")
+        );
+        assert!(
+            config(|c| c.nats_snapshot_secs = 0.0)
+                .unwrap_err()
+                .contains("--nats-snapshot-secs")
+        );
+        assert!(
+            config(|c| c.nats_events_max_bytes = 1)
+                .unwrap_err()
+                .contains("--nats-events-max-bytes")
+        );
+        assert!(
+            config(|c| c.nats_prefix = String::new())
+                .unwrap_err()
+                .contains("--nats-prefix")
+        );
+    }
+
+    #[test]
+    fn hooks_are_no_ops_without_a_nats_url() {
+        let handle = SyncHandle::new(&SyncConfig::default(), Arc::new(Metrics::new()));
+        assert!(handle.replica_id().is_none());
+        handle.booking_changed("x");
+        handle.catalog_changed(1);
+    }
+}
