@@ -211,7 +211,13 @@ async fn two_replicas_share_catalog_and_bookings() {
         .await
             > 0.0
     );
-    assert!(metric(&b, "kvroute_sync_lag_seconds_count").await > 0.0);
+    let lag_count = metric(&b, "kvroute_sync_lag_seconds_count{kind=\"booking\"}").await;
+    let lag_sum = metric(&b, "kvroute_sync_lag_seconds_sum{kind=\"booking\"}").await;
+    assert!(lag_count > 0.0);
+    println!(
+        "sync lag (publish → apply) on B: {lag_count} booking messages, mean {:.2} ms",
+        lag_sum / lag_count * 1e3
+    );
 
     // Raw messages from a third party: twice the same state counts once; an unknown worker is
     // dropped and counted.
@@ -221,7 +227,7 @@ async fn two_replicas_share_catalog_and_bookings() {
         .await
         .unwrap();
     let partition = PartitionKey::new(MODEL, "default");
-    let state = json!({"v": 1, "replica": "x", "seq": 1, "ts_ms": 0, "worker_id": 1,
+    let state = json!({"v": 1, "replica": "x", "seq": 1, "ts_us": 0, "worker_id": 1,
         "dp_rank": 0, "block_size": BLOCK, "sequence_hashes": [1, 2], "isl_tokens": 8,
         "effective_prefill_tokens": 8, "track_prefill_tokens": true, "prefill_complete": false,
         "output_blocks": 0, "decode_blocks": 2});

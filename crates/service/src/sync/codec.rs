@@ -28,16 +28,16 @@ pub fn check_replica_id(id: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// Milliseconds since the Unix epoch, now.
-pub fn unix_millis() -> u64 {
+/// Microseconds since the Unix epoch, now.
+pub fn unix_micros() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
 }
 
-/// Seconds from a publish time (Unix ms) until now; 0 when the clocks disagree.
-pub fn lag_secs(published_ms: u64) -> f64 {
-    unix_millis().saturating_sub(published_ms) as f64 / 1000.0
+/// Seconds from a publish time (Unix µs) until now; 0 when the clocks disagree.
+pub fn lag_secs(published_us: u64) -> f64 {
+    unix_micros().saturating_sub(published_us) as f64 / 1e6
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -112,8 +112,8 @@ pub struct Origin {
     pub replica: String,
     /// Per-replica sequence number (diagnostics; the KV revision orders a key's updates).
     pub seq: u64,
-    /// Publish time, Unix milliseconds.
-    pub ts_ms: u64,
+    /// Publish time, Unix microseconds.
+    pub ts_us: u64,
 }
 
 impl Origin {
@@ -122,7 +122,7 @@ impl Origin {
             v: VERSION,
             replica: replica.to_string(),
             seq,
-            ts_ms: unix_millis(),
+            ts_us: unix_micros(),
         }
     }
 }

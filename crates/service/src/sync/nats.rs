@@ -380,7 +380,7 @@ fn apply_catalog_entry(ctx: &Ctx, entry: &kv::Entry) {
         None => {}
         Some(Ok(outcome)) => {
             metrics.applied("catalog_put");
-            metrics.observe_lag("catalog", codec::lag_secs(origin.ts_ms));
+            metrics.observe_lag("catalog", codec::lag_secs(origin.ts_us));
             let consumes_events =
                 !ctx.shared.config.nats_relay_events || origin.replica == ctx.replica();
             if consumes_events {
@@ -524,7 +524,7 @@ fn apply_booking_entry(ctx: &Ctx, entry: &kv::Entry, restoring: bool) -> Option<
             } else {
                 "booking_put"
             });
-            metrics.observe_lag("booking", codec::lag_secs(message.origin.ts_ms));
+            metrics.observe_lag("booking", codec::lag_secs(message.origin.ts_us));
         }
         Err(SyncApplyError::UnknownRank { .. }) => metrics.dropped("booking", "unknown_worker", 1),
         Err(SyncApplyError::Invalid(_)) => metrics.dropped("booking", "malformed", 1),
@@ -648,7 +648,7 @@ fn apply_events_message(ctx: &Ctx, payload: &[u8], history: bool) {
         Some(outcome) => {
             ctx.state.metrics.count_events(&outcome);
             metrics.applied("events");
-            metrics.observe_lag("events", codec::lag_secs(message.origin.ts_ms));
+            metrics.observe_lag("events", codec::lag_secs(message.origin.ts_us));
         }
         None => metrics.dropped("events", "unknown_worker", 1),
     }
