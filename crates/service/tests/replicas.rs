@@ -185,6 +185,17 @@ async fn two_replicas_share_catalog_and_bookings() {
     })
     .await;
 
+    // Output blocks (not published at once by default) travel with the next reconciliation.
+    for _ in 0..3 {
+        let reply = a.app.post("/reservations/a1/output_block", json!({})).await;
+        assert_eq!(reply.status, 200);
+    }
+    eventually("output blocks reconciled", || {
+        loads(b.state()) == loads(a.state())
+            && loads(a.state()).values().map(|l| l.1).sum::<u64>() == 5 + 3 + 3
+    })
+    .await;
+
     // Another replica's booking is not a client's to free; its own is.
     assert_eq!(b.app.delete("/reservations/a1").await.status, 404);
     free(&a, "a1").await;

@@ -37,7 +37,8 @@
 //! - The publisher task drains the channel in batches, reads each booking's current state under
 //!   the read lock (a book freed before it was published is never published) and puts or deletes
 //!   its key, up to 64 writes in flight. Every `--nats-snapshot-secs` it reconciles: its live
-//!   bookings against what it published (puts what changed, deletes what was freed or expired).
+//!   bookings against what it published (puts what changed — output blocks not published at
+//!   once included — and deletes what was freed or expired).
 //! - On every reconnect (and at start) the publisher does a *full* reconciliation: it lists its
 //!   own keys in the bucket, deletes those that are no longer live and re-puts every live
 //!   booking — its full snapshot. Each watcher restarts its watch; the bookings watcher then
@@ -58,7 +59,7 @@
 //!   retained window: size the retention to cover the engines' cache lifetime.
 //!
 //! Start order: catalog, then bookings, then events (so bookings and events find their
-//! workers), each caught up before the next, bounded by 30 s; then the HTTP listener opens.
+//! workers), each caught up before the next, bounded by 30 s; then `kvroute serve` starts serving.
 
 pub mod codec;
 mod metrics;
@@ -246,8 +247,8 @@ impl SyncHandle {
         }
     }
 
-    /// An output block was reported: published only with `--nats-sync-output-blocks` (the
-    /// state travels with the booking's next change otherwise).
+    /// An output block was reported: published at once only with `--nats-sync-output-blocks`;
+    /// otherwise the new state travels with the next periodic reconciliation.
     pub fn output_block(&self, reservation_id: &str) {
         if self
             .shared
