@@ -362,6 +362,26 @@ fn device_blocks(state: &AppState, worker_id: u64, prompt: &[u32]) -> u32 {
         .unwrap_or(0)
 }
 
+/// Publishes `prompt` from `engine` until `state`'s index holds it on worker 1 (the first ones
+/// may be published before a subscription is in place).
+async fn publish_until_indexed(
+    engine: &mut FakeEngine,
+    state: &AppState,
+    prompt: &[u32],
+    what: &str,
+) {
+    let blocks = prompt.len() as u32 / BLOCK;
+    let deadline = Instant::now() + WAIT;
+    while device_blocks(state, 1, prompt) < blocks {
+        assert!(Instant::now() < deadline, "{what}");
+        engine
+            .publish_stored(None, prompt, BLOCK, None)
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_replica_recovers_its_bookings_and_the_index() {
     let nats = Nats::start();
@@ -385,15 +405,7 @@ async fn a_restarted_replica_recovers_its_bookings_and_the_index() {
     // Publish until A's listener is subscribed, then a prompt: both indexes hold it, B's via
     // the relayed stream.
     let probe = tokens(9_000, 4);
-    let deadline = Instant::now() + WAIT;
-    while device_blocks(a.state(), 1, &probe) == 0 {
-        assert!(Instant::now() < deadline, "listener never subscribed");
-        engine
-            .publish_stored(None, &probe, BLOCK, None)
-            .await
-            .unwrap();
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    publish_until_indexed(&mut engine, a.state(), &probe, "listener never subscribed").await;
     let prompt = tokens(1, 40);
     engine
         .publish_stored(None, &prompt, BLOCK, None)
@@ -448,15 +460,7 @@ async fn a_restarted_replica_recovers_its_bookings_and_the_index() {
     })
     .await;
     let later = tokens(100, 8);
-    let deadline = Instant::now() + WAIT;
-    while device_blocks(b.state(), 1, &later) == 0 {
-        assert!(Instant::now() < deadline, "relay did not resume");
-        engine
-            .publish_stored(None, &later, BLOCK, None)
-            .await
-            .unwrap();
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    publish_until_indexed(&mut engine, b.state(), &later, "relay did not resume").await;
     drop(a.tasks);
     drop(b.tasks);
 }
@@ -566,15 +570,7 @@ async fn restart_recovery_time_with_thousands_of_bookings_and_events() {
     assert_eq!(a.app.post("/workers", with_events).await.status, 201);
     assert_eq!(a.app.post("/workers", worker(2)).await.status, 201);
     let probe = tokens(9_000_000, 4);
-    let deadline = Instant::now() + WAIT;
-    while device_blocks(a.state(), 1, &probe) == 0 {
-        assert!(Instant::now() < deadline, "listener never subscribed");
-        engine
-            .publish_stored(None, &probe, BLOCK, None)
-            .await
-            .unwrap();
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    publish_until_indexed(&mut engine, a.state(), &probe, "listener never subscribed").await;
     // Distinct 16-block prompts, one stored batch each.
     let prompt = |i: u32| tokens(i * 64, 64);
     for i in 0..BATCHES {
