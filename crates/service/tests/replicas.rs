@@ -340,6 +340,44 @@ async fn bookings_made_while_nats_restarts_are_reconciled() {
     drop(b.tasks);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bookings_are_republished_to_a_server_that_lost_its_store() {
+    let mut nats = Nats::start();
+    let a = replica(&nats, "a", &[]).await;
+    let b = replica(&nats, "b", &[]).await;
+    for id in [1, 2] {
+        assert_eq!(a.app.post("/workers", worker(id)).await.status, 201);
+    }
+    eventually("catalog", || workers(b.state()).len() == 2).await;
+    book(&a, "a1", 1, &tokens(1, 8)).await;
+    book(&b, "b1", 2, &tokens(50, 8)).await;
+    eventually("synced", || {
+        total_requests(b.state()) == 2 && loads(a.state()) == loads(b.state())
+    })
+    .await;
+
+    nats.stop_and_wipe();
+    nats.restart();
+    free(&a, "a1").await;
+    book(&a, "a2", 2, &tokens(90, 8)).await;
+    eventually("views agree again", || {
+        sorted_remote(a.state()) == vec![("b".to_string(), "b1".to_string())]
+            && sorted_remote(b.state()) == vec![("a".to_string(), "a2".to_string())]
+    })
+    .await;
+    // The catalog is not re-published: registered again, a new replica gets everything.
+    for id in [1, 2] {
+        assert_eq!(a.app.post("/workers", worker(id)).await.status, 201);
+    }
+    let c = replica(&nats, "c", &[]).await;
+    eventually("a new replica catches up", || {
+        workers(c.state()).len() == 2 && loads(c.state()) == loads(a.state())
+    })
+    .await;
+    assert_eq!(total_requests(c.state()), 2);
+    drop((a.tasks, b.tasks, c.tasks));
+}
+
 fn device_blocks(state: &AppState, worker_id: u64, prompt: &[u32]) -> u32 {
     let selector = state.selector.read();
     selector

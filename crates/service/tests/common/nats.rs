@@ -96,6 +96,13 @@ impl Nats {
         }
     }
 
+    /// Stops the server and deletes its store (a server that lost its data).
+    pub fn stop_and_wipe(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_dir_all(&self.store);
+        std::fs::create_dir_all(&self.store).unwrap();
+    }
+
     pub fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
