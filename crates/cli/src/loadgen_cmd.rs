@@ -3,7 +3,8 @@
 //!
 //! Per request, in `cycle` mode: `POST /select` (with a `selection_id` and token ids) →
 //! `POST /reservations` (replay) → `POST /reservations/{id}/prefill_complete` →
-//! `DELETE /reservations/{id}`; in `select` mode only the select. Prompts come from a Mooncake
+//! `DELETE /reservations/{id}`; in `reserve` mode `POST /select_and_reserve` → `DELETE
+//! /reservations/{id}`; in `select` mode only the select. Prompts come from a Mooncake
 //! trace (hash ids expanded into token ids, 512 tokens per id) or a synthetic shared-prefix set.
 
 use clap::{Args, ValueEnum};
@@ -29,6 +30,8 @@ pub enum Mode {
     Select,
     /// select → reservations (replay) → prefill_complete → free.
     Cycle,
+    /// select_and_reserve → free.
+    Reserve,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -435,17 +438,25 @@ async fn run_async(
                 let id = format!("{label}-{task}-{n}");
                 let index = (n as usize) % bodies.len();
                 let tokens = &bodies[index];
-                let head = format!("{{\"selection_id\":\"{id}\",\"token_ids\":");
+                let (route, id_field) = match mode {
+                    Mode::Reserve => ("select_and_reserve", "reservation_id"),
+                    Mode::Select | Mode::Cycle => ("select", "selection_id"),
+                };
+                let head = format!("{{\"{id_field}\":\"{id}\",\"token_ids\":");
                 let cycle_start = Instant::now();
                 let status = timed(
                     &mut client,
                     &mut samples,
-                    "select",
+                    route,
                     "POST",
-                    "/select",
+                    &format!("/{route}"),
                     &[head.as_bytes(), tokens.as_bytes()],
                 )
                 .await;
+                if mode == Mode::Reserve && status == Some(200) {
+                    let free = format!("/reservations/{id}");
+                    timed(&mut client, &mut samples, "free", "DELETE", &free, &[]).await;
+                }
                 if mode == Mode::Cycle && status == Some(200) {
                     let reserve = format!("{{\"selection_id\":\"{id}\"}}");
                     let start_booking = Instant::now();

@@ -54,6 +54,15 @@ pub fn run(config: ServeConfig) -> ExitCode {
                 return ExitCode::FAILURE;
             }
         };
+        // Replica sync catches up (catalog, bookings, events) before the first request.
+        #[cfg(feature = "nats")]
+        let _sync = match kvroute_service::sync::start(&state).await {
+            Ok(tasks) => tasks,
+            Err(e) => {
+                eprintln!("kvroute serve: replica sync: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
         let local = listener.local_addr().unwrap_or(addr);
         tracing::info!(%local, "kvroute selection service listening");
         println!("kvroute listening on http://{local}");

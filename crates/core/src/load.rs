@@ -299,6 +299,40 @@ impl LoadTracker {
         Ok(())
     }
 
+    /// Sets the booking's output blocks and its own decode contribution (`decode_blocks`, as
+    /// [`BookingView::decode_blocks`] reports it) to a state another tracker reached — replica
+    /// sync replays states, not calls. Returns whether anything changed; when nothing does, the
+    /// booking is not touched either (re-applying a state is a no-op).
+    pub fn set_output_state(
+        &mut self,
+        reservation_id: &str,
+        output_blocks: u64,
+        decode_blocks: u64,
+        now: Instant,
+    ) -> Result<bool, LoadError> {
+        let Some((id, state)) = self.bookings.get_key_value_mut(reservation_id) else {
+            return Err(not_found(reservation_id));
+        };
+        let full_blocks = i128::from(state.view.sequence_hashes.len() as u64);
+        let new_private = i128::from(decode_blocks) - full_blocks;
+        if state.view.output_blocks == output_blocks && state.private_blocks == new_private {
+            return Ok(false);
+        }
+        touch(&mut self.idle_order, id, state, now);
+        if let Some(rank) = self.ranks.get_mut(state.view.rank) {
+            rank.private_blocks += new_private - state.private_blocks;
+        }
+        state.private_blocks = new_private;
+        state.view.output_blocks = output_blocks;
+        state.view.decode_blocks = clamp_blocks(full_blocks + new_private);
+        Ok(true)
+    }
+
+    /// Every live booking, in no particular order.
+    pub fn iter(&self) -> impl Iterator<Item = (&Arc<str>, &BookingView)> + '_ {
+        self.bookings.iter().map(|(id, state)| (id, &state.view))
+    }
+
     /// Removes everything the booking holds (implies prefill complete). A second free of the same
     /// id is [`LoadError::NotFound`].
     pub fn free(&mut self, reservation_id: &str) -> Result<FreedBooking, LoadError> {

@@ -1242,8 +1242,13 @@ impl Selector {
         now: Instant,
         rng: &mut impl Rng,
     ) -> Result<(Selection, Reservation), Error> {
-        if let Some(id) = reservation_id {
-            check_id("reservation_id", id)?;
+        for (field, value) in [
+            ("reservation_id", reservation_id),
+            ("selection_id", req.selection_id),
+        ] {
+            if let Some(v) = value {
+                sync::check_booking_id(field, v)?;
+            }
         }
         let mut selection = self.compute_selection(req, rng)?;
         let id = reservation_id
@@ -1322,7 +1327,7 @@ impl Selector {
             ("reservation_id", req.reservation_id),
         ] {
             if let Some(v) = value {
-                check_id(field, v)?;
+                sync::check_booking_id(field, v)?;
             }
         }
         match (req.worker_id, req.selection_id) {
@@ -1466,7 +1471,7 @@ impl Selector {
 
     pub fn prefill_complete(&mut self, reservation_id: &str, now: Instant) -> Result<(), Error> {
         self.check_running()?;
-        check_id("reservation_id", reservation_id)?;
+        sync::check_booking_id("reservation_id", reservation_id)?;
         self.load.prefill_complete(reservation_id, now)?;
         self.lru.touch(reservation_id, now);
         Ok(())
@@ -1479,7 +1484,7 @@ impl Selector {
         now: Instant,
     ) -> Result<(), Error> {
         self.check_running()?;
-        check_id("reservation_id", reservation_id)?;
+        sync::check_booking_id("reservation_id", reservation_id)?;
         self.load
             .output_block(reservation_id, decay_fraction, now)?;
         if let Some(lease) = self.lru.materialize(reservation_id, now) {
@@ -1496,7 +1501,7 @@ impl Selector {
 
     pub fn free(&mut self, reservation_id: &str) -> Result<(), Error> {
         self.check_running()?;
-        check_id("reservation_id", reservation_id)?;
+        sync::check_booking_id("reservation_id", reservation_id)?;
         self.load.free(reservation_id)?;
         self.release_lease(reservation_id);
         Ok(())
@@ -1649,6 +1654,9 @@ impl Selector {
         ceil_blocks(isl_tokens, block_size)
     }
 }
+
+mod sync;
+pub use sync::{BookingOwner, SyncApplyError, SyncApplyOutcome, SyncedBooking};
 
 #[cfg(test)]
 mod tests;

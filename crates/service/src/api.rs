@@ -33,6 +33,7 @@ pub fn upsert_worker(state: &AppState, body: WorkerBody) -> ApiResult {
     let spec = body.into_spec()?;
     let outcome = state.selector.write().upsert_worker(spec)?;
     state.sync_listeners(&outcome.record, outcome.events_changed);
+    state.sync.catalog_changed(outcome.record.spec.worker_id);
     Ok(worker_json(&outcome.record))
 }
 
@@ -47,6 +48,7 @@ pub fn patch_worker(state: &AppState, worker_id: u64, body: WorkerBody) -> ApiRe
         selector.upsert_worker(spec)?
     };
     state.sync_listeners(&outcome.record, outcome.events_changed);
+    state.sync.catalog_changed(worker_id);
     Ok(worker_json(&outcome.record))
 }
 
@@ -54,6 +56,7 @@ pub fn patch_worker(state: &AppState, worker_id: u64, body: WorkerBody) -> ApiRe
 pub fn delete_worker(state: &AppState, worker_id: u64) -> ApiResult {
     let record = state.selector.write().delete_worker(worker_id)?;
     state.ingest.remove_worker(worker_id);
+    state.sync.catalog_changed(worker_id);
     Ok(worker_json(&record))
 }
 
@@ -180,6 +183,7 @@ pub fn select_and_reserve(state: &AppState, mut body: SelectBody) -> ApiResult {
         Instant::now(),
         &mut rand::rng(),
     )?;
+    state.sync.booking_changed(&reservation.reservation_id);
     Ok(select_and_reserve_json(&selection, &reservation))
 }
 
@@ -221,6 +225,7 @@ pub fn create_reservation(state: &AppState, mut body: ReservationBody) -> ApiRes
         .selector
         .write()
         .create_reservation(&req, Instant::now())?;
+    state.sync.booking_changed(&reservation.reservation_id);
     Ok(reservation_json(&reservation))
 }
 
@@ -235,6 +240,7 @@ pub fn prefill_complete(state: &AppState, id: &str) -> ApiResult {
         .selector
         .write()
         .prefill_complete(reservation_id(id)?, Instant::now())?;
+    state.sync.booking_changed(id);
     Ok(ok_status())
 }
 
@@ -244,12 +250,14 @@ pub fn output_block(state: &AppState, id: &str, decay_fraction: Option<f64>) -> 
         .selector
         .write()
         .output_block(reservation_id(id)?, decay_fraction, Instant::now())?;
+    state.sync.output_block(id);
     Ok(ok_status())
 }
 
 /// `DELETE /reservations/{id}`.
 pub fn free_reservation(state: &AppState, id: &str) -> ApiResult {
     state.selector.write().free(reservation_id(id)?)?;
+    state.sync.booking_changed(id);
     Ok(ok_status())
 }
 

@@ -108,11 +108,15 @@ pub struct ServeConfig {
     #[arg(long, env = "KVROUTE_APPROXIMATE_CACHE_POLICY", value_enum, default_value_t = ApproximatePolicy::Ttl)]
     pub approximate_cache_policy: ApproximatePolicy,
 
-    /// Niceness (0–19) of the thread that decodes and applies KV events. The listeners run on
+    /// Niceness (0–19) of the thread that receives and decodes KV events. The listeners run on
     /// their own thread, apart from the HTTP threads; above 0 the OS favours request handling
     /// when both want the CPU, so an event storm delays the index rather than the selects.
     #[arg(long, env = "KVROUTE_INGEST_NICE", default_value_t = 10)]
     pub ingest_nice: u8,
+
+    /// Replica sync over NATS (SPEC §10).
+    #[command(flatten)]
+    pub sync: crate::sync::SyncConfig,
 }
 
 fn finite_non_negative(name: &str, value: f64) -> Result<(), String> {
@@ -176,6 +180,7 @@ impl ServeConfig {
             no_kv_events: false,
             approximate_cache_policy: ApproximatePolicy::Ttl,
             ingest_nice: 10,
+            sync: crate::sync::SyncConfig::default(),
         }
     }
 
@@ -227,6 +232,7 @@ impl ServeConfig {
                 "--api-key must not be empty (omit it to disable authentication)".to_string(),
             );
         }
+        self.sync.validate()?;
         let ttl = positive_secs("selection-cache-ttl-secs", self.selection_cache_ttl_secs)?;
         let expiry = positive_secs(
             "active-request-expiry-secs",

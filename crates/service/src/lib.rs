@@ -13,6 +13,7 @@
 //! - [`ingest`]: per-endpoint ZMQ SUB listeners with replay, gap and restart handling.
 //! - [`metrics`]: one Prometheus registry per service instance.
 //! - [`state`]: the shared state and how events, requests and ticks reach the selector.
+//! - [`sync`]: replica sync over NATS (feature `nats`): shared bookings, catalog and KV events.
 #![forbid(unsafe_code)]
 
 pub mod api;
@@ -23,6 +24,7 @@ pub mod http;
 pub mod ingest;
 pub mod metrics;
 pub mod state;
+pub mod sync;
 
 pub use config::ServeConfig;
 pub use http::app;

@@ -55,6 +55,8 @@ pub struct Metrics {
     approx_blocks: Family<Labels, Gauge>,
     approx_lru: Family<Labels, Counter>,
     approx_seen: Mutex<kvroute_core::approx::LruCounters>,
+    /// Replica sync over NATS (`kvroute_sync_*`).
+    pub sync: crate::sync::SyncMetrics,
 }
 
 impl Default for Metrics {
@@ -182,8 +184,10 @@ impl Metrics {
             "LRU model events: evicted blocks, reaped leases, overcapacity allocations, retired leases",
             approx_lru.clone(),
         );
+        let sync = crate::sync::SyncMetrics::register(&mut registry);
         Self {
             registry,
+            sync,
             http_requests,
             http_duration,
             select_phase,

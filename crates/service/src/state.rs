@@ -89,6 +89,8 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     pub config: ServeConfig,
     pub ingest: IngestManager,
+    /// Replica sync hooks (no-ops without `--nats-url`).
+    pub sync: crate::sync::SyncHandle,
     shutting_down: AtomicBool,
 }
 
@@ -108,8 +110,9 @@ impl AppState {
                 .spawn(move || run_applier(receiver, selector, metrics))
                 .map_err(|e| format!("cannot start the KV-event applier thread: {e}"))?;
         }
+        let sync = crate::sync::SyncHandle::new(&config.sync, Arc::clone(&metrics));
         let ingest = IngestManager::with_config(
-            sink,
+            sync.wrap_sink(sink),
             Arc::clone(&metrics),
             IngestConfig {
                 dedicated_thread_nice: Some(config.ingest_nice),
@@ -121,6 +124,7 @@ impl AppState {
             metrics,
             config,
             ingest,
+            sync,
             shutting_down: AtomicBool::new(false),
         }))
     }

@@ -1,0 +1,655 @@
+//! Several replicas sharing state through a real `nats-server` (SPEC §10): each test starts its
+//! own server on 127.0.0.1 with a free port and a temporary JetStream store, and kills it at the
+//! end. The server is the Debian package's binary: `KVROUTE_NATS_SERVER`, else `nats-server` on
+//! the PATH, else `/usr/sbin/nats-server`; without one the tests fail and say how to install it.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+#[path = "common/nats.rs"]
+mod nats;
+
+use common::TestApp;
+use kvroute_core::error::PartitionKey;
+use kvroute_core::selector::Prompt;
+use kvroute_service::fake_engine::FakeEngine;
+use kvroute_service::sync::{self, SyncTasks};
+use kvroute_service::{AppState, ServeConfig};
+use kvroute_wire::Encoding;
+use nats::Nats;
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+const MODEL: &str = "m";
+const BLOCK: u32 = 4;
+const WAIT: Duration = Duration::from_secs(20);
+
+// ---------------------------------------------------------------------------------------------
+// Replicas
+
+struct Replica {
+    app: TestApp,
+    tasks: SyncTasks,
+}
+
+impl Replica {
+    fn state(&self) -> &AppState {
+        &self.app.state
+    }
+}
+
+/// `kvroute serve --nats-url URL --replica-id ID --nats-snapshot-secs 1 EXTRA…`, in process.
+async fn replica(nats: &Nats, id: &str, extra: &[&str]) -> Replica {
+    let url = nats.url();
+    let mut args = vec![
+        "kvroute",
+        "--nats-url",
+        &url,
+        "--replica-id",
+        id,
+        "--nats-snapshot-secs",
+        "1",
+    ];
+    args.extend_from_slice(extra);
+    let app = TestApp::with_config(ServeConfig::parse_from(args).unwrap());
+    let tasks = sync::start(&app.state).await.unwrap().expect("sync on");
+    Replica { app, tasks }
+}
+
+async fn eventually(what: &str, mut check: impl FnMut() -> bool) -> Duration {
+    let start = Instant::now();
+    while !check() {
+        assert!(start.elapsed() < WAIT, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    start.elapsed()
+}
+
+fn worker(worker_id: u64) -> Value {
+    json!({
+        "worker_id": worker_id,
+        "model_name": MODEL,
+        "endpoint": format!("http://worker-{worker_id}"),
+        "block_size": BLOCK,
+    })
+}
+
+/// `(worker, rank) → (prefill tokens, decode blocks, requests)` as `/loads` reports them.
+fn loads(state: &AppState) -> BTreeMap<(u64, u32), (u64, u64, u64)> {
+    state
+        .selector
+        .read()
+        .loads(None, None)
+        .into_iter()
+        .flat_map(|p| p.loads)
+        .map(|l| {
+            (
+                (l.worker_id, l.dp_rank),
+                (
+                    l.potential_prefill_tokens,
+                    l.potential_decode_blocks,
+                    l.active_requests,
+                ),
+            )
+        })
+        .collect()
+}
+
+fn total_requests(state: &AppState) -> u64 {
+    loads(state).values().map(|l| l.2).sum()
+}
+
+fn workers(state: &AppState) -> Vec<u64> {
+    state
+        .selector
+        .read()
+        .list_workers(None, None)
+        .iter()
+        .map(|r| r.spec.worker_id)
+        .collect()
+}
+
+fn tokens(first: u32, count: u32) -> Vec<u32> {
+    (first..first + count).collect()
+}
+
+async fn book(replica: &Replica, id: &str, worker_id: u64, prompt: &[u32]) {
+    let reply = replica
+        .app
+        .post(
+            "/reservations",
+            json!({"reservation_id": id, "worker_id": worker_id, "model_name": MODEL,
+                   "token_ids": prompt}),
+        )
+        .await;
+    assert_eq!(reply.status, 201, "{}", reply.text);
+}
+
+async fn free(replica: &Replica, id: &str) {
+    let reply = replica.app.delete(&format!("/reservations/{id}")).await;
+    assert_eq!(reply.status, 200, "free {id}: {}", reply.text);
+}
+
+async fn metric(replica: &Replica, prefix: &str) -> f64 {
+    let text = replica.app.get("/metrics").await.text;
+    text.lines()
+        .filter(|line| line.starts_with(prefix))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+fn sorted_remote(state: &AppState) -> Vec<(String, String)> {
+    let mut remote = state.selector.read().remote_bookings();
+    remote.sort();
+    remote
+}
+
+// ---------------------------------------------------------------------------------------------
+// The README's scenario: two replicas, one catalog, one load view
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_share_catalog_and_bookings() {
+    let nats = Nats::start();
+    let a = replica(&nats, "a", &[]).await;
+    let b = replica(&nats, "b", &[]).await;
+
+    for id in [1, 2] {
+        let reply = a.app.post("/workers", worker(id)).await;
+        assert_eq!(reply.status, 201, "{}", reply.text);
+    }
+    eventually("B gets A's catalog", || workers(b.state()) == vec![1, 2]).await;
+
+    let reply = a
+        .app
+        .post(
+            "/select_and_reserve",
+            json!({"model_name": MODEL, "token_ids": tokens(1, 17), "reservation_id": "a1"}),
+        )
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.text);
+    book(&b, "b1", 2, &tokens(100, 9)).await;
+    let lag = eventually("both bookings on both replicas", || {
+        total_requests(a.state()) == 2 && loads(a.state()) == loads(b.state())
+    })
+    .await;
+    println!("bookings visible on the other replica within {lag:?}");
+
+    let reply = a
+        .app
+        .post("/reservations/a1/prefill_complete", json!({}))
+        .await;
+    assert_eq!(reply.status, 200);
+    eventually("prefill completion travels", || {
+        loads(b.state()) == loads(a.state())
+            && loads(b.state()).values().map(|l| l.0).sum::<u64>() == 9
+    })
+    .await;
+
+    // Output blocks (not published at once by default) travel with the next reconciliation.
+    for _ in 0..3 {
+        let reply = a.app.post("/reservations/a1/output_block", json!({})).await;
+        assert_eq!(reply.status, 200);
+    }
+    eventually("output blocks reconciled", || {
+        loads(b.state()) == loads(a.state())
+            && loads(a.state()).values().map(|l| l.1).sum::<u64>() == 5 + 3 + 3
+    })
+    .await;
+
+    // Another replica's booking is not a client's to free; its own is.
+    assert_eq!(b.app.delete("/reservations/a1").await.status, 404);
+    free(&a, "a1").await;
+    free(&b, "b1").await;
+    eventually("frees travel", || {
+        total_requests(a.state()) == 0 && total_requests(b.state()) == 0
+    })
+    .await;
+
+    // A replica ignores its own messages, applies the others', and drops unknown workers.
+    assert!(
+        metric(
+            &a,
+            "kvroute_sync_messages_dropped_total{kind=\"booking\",reason=\"own\"}"
+        )
+        .await
+            > 0.0
+    );
+    assert!(
+        metric(
+            &b,
+            "kvroute_sync_messages_applied_total{kind=\"booking_put\"}"
+        )
+        .await
+            > 0.0
+    );
+    let lag_count = metric(&b, "kvroute_sync_lag_seconds_count{kind=\"booking\"}").await;
+    let lag_sum = metric(&b, "kvroute_sync_lag_seconds_sum{kind=\"booking\"}").await;
+    assert!(lag_count > 0.0);
+    println!(
+        "sync lag (publish → apply) on B: {lag_count} booking messages, mean {:.2} ms",
+        lag_sum / lag_count * 1e3
+    );
+
+    // Raw messages from a third party: twice the same state counts once; an unknown worker is
+    // dropped and counted.
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let bucket = async_nats::jetstream::new(client)
+        .get_key_value("kvroute_bookings")
+        .await
+        .unwrap();
+    let partition = PartitionKey::new(MODEL, "default");
+    let state = json!({"v": 1, "replica": "x", "seq": 1, "ts_us": 0, "worker_id": 1,
+        "dp_rank": 0, "block_size": BLOCK, "sequence_hashes": [1, 2], "isl_tokens": 8,
+        "effective_prefill_tokens": 8, "track_prefill_tokens": true, "prefill_complete": false,
+        "output_blocks": 0, "decode_blocks": 2});
+    let key = sync::codec::booking_key(&partition, "x", "x1");
+    for _ in 0..2 {
+        bucket
+            .put(&key, serde_json::to_vec(&state).unwrap().into())
+            .await
+            .unwrap();
+    }
+    let mut unknown = state.clone();
+    unknown["worker_id"] = json!(999);
+    bucket
+        .put(
+            sync::codec::booking_key(&partition, "x", "x2"),
+            serde_json::to_vec(&unknown).unwrap().into(),
+        )
+        .await
+        .unwrap();
+    let dropped = "kvroute_sync_messages_dropped_total{kind=\"booking\",reason=\"unknown_worker\"}";
+    let deadline = Instant::now() + WAIT;
+    while metric(&b, dropped).await < 1.0 {
+        assert!(Instant::now() < deadline, "unknown worker not counted");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        total_requests(b.state()),
+        1,
+        "the same state twice counts once"
+    );
+    assert_eq!(total_requests(a.state()), 1);
+
+    // Deleting a worker on one replica deletes it everywhere.
+    assert_eq!(b.app.delete("/workers/2").await.status, 200);
+    eventually("A loses worker 2", || workers(a.state()) == vec![1]).await;
+    drop(a.tasks);
+    drop(b.tasks);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Faults
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bookings_made_while_nats_restarts_are_reconciled() {
+    let mut nats = Nats::start();
+    let a = replica(&nats, "a", &[]).await;
+    let b = replica(&nats, "b", &[]).await;
+    for id in [1, 2, 3] {
+        assert_eq!(a.app.post("/workers", worker(id)).await.status, 201);
+    }
+    eventually("catalog", || workers(b.state()).len() == 3).await;
+    book(&a, "a1", 1, &tokens(1, 8)).await;
+    book(&a, "a2", 2, &tokens(1, 8)).await;
+    book(&b, "b1", 3, &tokens(50, 8)).await;
+    eventually("synced", || {
+        total_requests(b.state()) == 3 && loads(a.state()) == loads(b.state())
+    })
+    .await;
+
+    nats.stop();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // During the outage both sides keep serving.
+    free(&a, "a1").await;
+    book(&a, "a3", 3, &tokens(200, 12)).await;
+    book(&b, "b2", 1, &tokens(300, 5)).await;
+    free(&b, "b1").await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    nats.restart();
+    let restarted = Instant::now();
+
+    eventually("views reconciled after the outage", || {
+        sorted_remote(a.state()) == vec![("b".to_string(), "b2".to_string())]
+            && sorted_remote(b.state())
+                == vec![
+                    ("a".to_string(), "a2".to_string()),
+                    ("a".to_string(), "a3".to_string()),
+                ]
+            && loads(a.state()) == loads(b.state())
+    })
+    .await;
+    println!(
+        "NATS restart: views agree {:?} after the server accepted connections again",
+        restarted.elapsed()
+    );
+    assert_eq!(
+        total_requests(a.state()),
+        3,
+        "no booking lost, none doubled"
+    );
+    assert!(metric(&a, "kvroute_sync_reconnects_total").await >= 1.0);
+    assert!(metric(&b, "kvroute_sync_reconnects_total").await >= 1.0);
+    // Both keep syncing afterwards.
+    free(&a, "a2").await;
+    eventually("a free after the restart travels", || {
+        total_requests(b.state()) == 2
+    })
+    .await;
+    drop(a.tasks);
+    drop(b.tasks);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bookings_are_republished_to_a_server_that_lost_its_store() {
+    let mut nats = Nats::start();
+    let a = replica(&nats, "a", &[]).await;
+    let b = replica(&nats, "b", &[]).await;
+    for id in [1, 2] {
+        assert_eq!(a.app.post("/workers", worker(id)).await.status, 201);
+    }
+    eventually("catalog", || workers(b.state()).len() == 2).await;
+    book(&a, "a1", 1, &tokens(1, 8)).await;
+    book(&b, "b1", 2, &tokens(50, 8)).await;
+    eventually("synced", || {
+        total_requests(b.state()) == 2 && loads(a.state()) == loads(b.state())
+    })
+    .await;
+
+    nats.stop_and_wipe();
+    nats.restart();
+    free(&a, "a1").await;
+    book(&a, "a2", 2, &tokens(90, 8)).await;
+    eventually("views agree again", || {
+        sorted_remote(a.state()) == vec![("b".to_string(), "b1".to_string())]
+            && sorted_remote(b.state()) == vec![("a".to_string(), "a2".to_string())]
+    })
+    .await;
+    // The catalog is not re-published: registered again, a new replica gets everything.
+    for id in [1, 2] {
+        assert_eq!(a.app.post("/workers", worker(id)).await.status, 201);
+    }
+    let c = replica(&nats, "c", &[]).await;
+    eventually("a new replica catches up", || {
+        workers(c.state()).len() == 2 && loads(c.state()) == loads(a.state())
+    })
+    .await;
+    assert_eq!(total_requests(c.state()), 2);
+    drop((a.tasks, b.tasks, c.tasks));
+}
+
+fn device_blocks(state: &AppState, worker_id: u64, prompt: &[u32]) -> u32 {
+    let selector = state.selector.read();
+    selector
+        .overlap_scores(
+            &PartitionKey::new(MODEL, "default"),
+            Prompt::Tokens {
+                tokens: prompt,
+                lora_name: None,
+                cache_salt: None,
+            },
+        )
+        .ok()
+        .and_then(|scores| {
+            scores
+                .workers
+                .iter()
+                .find(|w| w.worker_id == worker_id)
+                .map(|w| w.device_blocks)
+        })
+        .unwrap_or(0)
+}
+
+/// Publishes `prompt` from `engine` until `state`'s index holds it on worker 1 (the first ones
+/// may be published before a subscription is in place).
+async fn publish_until_indexed(
+    engine: &mut FakeEngine,
+    state: &AppState,
+    prompt: &[u32],
+    what: &str,
+) {
+    let blocks = prompt.len() as u32 / BLOCK;
+    let deadline = Instant::now() + WAIT;
+    while device_blocks(state, 1, prompt) < blocks {
+        assert!(Instant::now() < deadline, "{what}");
+        engine
+            .publish_stored(None, prompt, BLOCK, None)
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_replica_recovers_its_bookings_and_the_index() {
+    let nats = Nats::start();
+    let relay = ["--nats-relay-events"];
+    let a = replica(&nats, "a", &relay).await;
+    let b = replica(&nats, "b", &relay).await;
+    let mut engine = FakeEngine::bind("tcp://127.0.0.1:0", None, Encoding::Array)
+        .await
+        .unwrap();
+    let mut with_events = worker(1);
+    with_events["kv_events_endpoint"] = json!(engine.pub_endpoint());
+    assert_eq!(a.app.post("/workers", with_events).await.status, 201);
+    assert_eq!(a.app.post("/workers", worker(2)).await.status, 201);
+    eventually("catalog", || workers(b.state()) == vec![1, 2]).await;
+    assert_eq!(
+        b.state().ingest.active_listeners(),
+        0,
+        "with the relay, only the registering replica opens the engine's stream"
+    );
+
+    // Publish until A's listener is subscribed, then a prompt: both indexes hold it, B's via
+    // the relayed stream.
+    let probe = tokens(9_000, 4);
+    publish_until_indexed(&mut engine, a.state(), &probe, "listener never subscribed").await;
+    let prompt = tokens(1, 40);
+    engine
+        .publish_stored(None, &prompt, BLOCK, None)
+        .await
+        .unwrap();
+    eventually("B's index via the relay", || {
+        device_blocks(b.state(), 1, &prompt) == 10
+    })
+    .await;
+
+    book(&a, "a1", 1, &prompt).await;
+    book(&b, "b1", 2, &tokens(500, 8)).await;
+    eventually("synced", || {
+        total_requests(a.state()) == 2 && loads(a.state()) == loads(b.state())
+    })
+    .await;
+    let before = loads(a.state());
+
+    // Kill B and start it again under the same id.
+    drop(b);
+    let started = Instant::now();
+    let b = replica(&nats, "b", &relay).await;
+    let recovered = started.elapsed();
+    println!(
+        "replica b restarted: catch-up {:?} (start() returned after {recovered:?}); \
+         bookings and index recovered on return",
+        b.tasks.catch_up
+    );
+    assert_eq!(loads(b.state()), before, "bookings recovered");
+    assert_eq!(device_blocks(b.state(), 1, &prompt), 10, "index recovered");
+    assert_eq!(b.state().ingest.active_listeners(), 0);
+    free(&b, "b1").await;
+    eventually("B's own recovered booking freed everywhere", || {
+        total_requests(a.state()) == 1
+    })
+    .await;
+
+    // Kill A, the replica that consumes the engine: it recovers too, and resumes consuming.
+    drop(a);
+    let started = Instant::now();
+    let a = replica(&nats, "a", &relay).await;
+    println!(
+        "replica a (the engine's consumer) restarted: recovered in {:?}",
+        started.elapsed()
+    );
+    assert_eq!(total_requests(a.state()), 1);
+    assert_eq!(device_blocks(a.state(), 1, &prompt), 10);
+    assert_eq!(a.state().ingest.active_listeners(), 1);
+    free(&a, "a1").await;
+    eventually("A's own recovered booking freed everywhere", || {
+        total_requests(b.state()) == 0
+    })
+    .await;
+    let later = tokens(100, 8);
+    publish_until_indexed(&mut engine, b.state(), &later, "relay did not resume").await;
+    drop(a.tasks);
+    drop(b.tasks);
+}
+
+/// One request's flow: select_and_reserve (the popular prefix plus its own suffix), then its
+/// prefill completes.
+async fn serve(app: &TestApp, popular: &[u32], i: u32) {
+    let mut prompt = popular.to_vec();
+    prompt.extend(tokens(100_000 + i * 8, 8));
+    let request =
+        json!({"model_name": MODEL, "token_ids": prompt, "reservation_id": format!("r{i}")});
+    let reply = app.post("/select_and_reserve", request).await;
+    assert_eq!(reply.status, 200, "{}", reply.text);
+    let done = app
+        .post(&format!("/reservations/r{i}/prefill_complete"), json!({}))
+        .await;
+    assert_eq!(done.status, 200);
+}
+
+/// Bookings per worker after `requests` select_and_reserve calls for one popular prefix, split
+/// over two replicas in concurrent pairs; `(max, min)` over the workers.
+async fn herd(nats: Option<&Nats>, workers: u64, requests: u32) -> (u64, u64) {
+    let mut tasks = Vec::new();
+    let (a, b) = match nats {
+        Some(nats) => {
+            let a = replica(nats, "a", &[]).await;
+            let b = replica(nats, "b", &[]).await;
+            tasks.extend([a.tasks, b.tasks]);
+            (a.app, b.app)
+        }
+        None => (TestApp::new(), TestApp::new()),
+    };
+    for id in 1..=workers {
+        assert_eq!(a.post("/workers", worker(id)).await.status, 201);
+        if nats.is_none() {
+            assert_eq!(b.post("/workers", worker(id)).await.status, 201);
+        }
+    }
+    eventually("catalog", || {
+        workers as usize == b.state.selector.read().list_workers(None, None).len()
+    })
+    .await;
+    // Worker 1 served the popular prefix recently: both replicas predict it cached there (their
+    // approximate cache model learns from their own bookings), as both would see it in an
+    // engine's KV events; that is what makes independent replicas herd.
+    let popular = tokens(1, 32 * BLOCK);
+    for (app, id) in [(&a, "warm-a"), (&b, "warm-b")] {
+        let reply = app
+            .post(
+                "/reservations",
+                json!({"reservation_id": id, "worker_id": 1, "model_name": MODEL,
+                       "token_ids": popular}),
+            )
+            .await;
+        assert_eq!(reply.status, 201, "{}", reply.text);
+        assert_eq!(app.delete(&format!("/reservations/{id}")).await.status, 200);
+    }
+    for pair in 0..requests / 2 {
+        let (i, j) = (2 * pair, 2 * pair + 1);
+        tokio::join!(serve(&a, &popular, i), serve(&b, &popular, j));
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let mut per_worker: BTreeMap<u64, u64> = (1..=workers).map(|w| (w, 0)).collect();
+    for app in [&a, &b] {
+        for (_, booking) in app.state.selector.read().local_bookings() {
+            *per_worker.entry(booking.worker_id).or_default() += 1;
+        }
+    }
+    println!("bookings per worker: {per_worker:?}");
+    drop(tasks);
+    let max = per_worker.values().copied().max().unwrap_or(0);
+    let min = per_worker.values().copied().min().unwrap_or(0);
+    (max, min)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_spreads_a_popular_prefix_over_the_workers() {
+    let (workers, requests) = (4, 64);
+    let off = herd(None, workers, requests).await;
+    let nats = Nats::start();
+    let on = herd(Some(&nats), workers, requests).await;
+    println!(
+        "herding, {requests} select_and_reserve over 2 replicas, {workers} workers: \
+         sync off max/min bookings per worker {}/{}, sync on {}/{}",
+        off.0, off.1, on.0, on.1
+    );
+    assert!(
+        on.0 - on.1 < off.0 - off.1,
+        "sync on ({on:?}) must spread better than off ({off:?})"
+    );
+}
+
+/// Recovery time of a restarted replica with a few thousand live bookings and relayed event
+/// batches (printed for the closing note; asserted complete).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_recovery_time_with_thousands_of_bookings_and_events() {
+    const BOOKINGS: u32 = 2_000;
+    const BATCHES: u32 = 1_000;
+    let nats = Nats::start();
+    let relay = ["--nats-relay-events"];
+    let a = replica(&nats, "a", &relay).await;
+    let mut engine = FakeEngine::bind("tcp://127.0.0.1:0", None, Encoding::Array)
+        .await
+        .unwrap();
+    let mut with_events = worker(1);
+    with_events["kv_events_endpoint"] = json!(engine.pub_endpoint());
+    assert_eq!(a.app.post("/workers", with_events).await.status, 201);
+    assert_eq!(a.app.post("/workers", worker(2)).await.status, 201);
+    let probe = tokens(9_000_000, 4);
+    publish_until_indexed(&mut engine, a.state(), &probe, "listener never subscribed").await;
+    // Distinct 16-block prompts, one stored batch each.
+    let prompt = |i: u32| tokens(i * 64, 64);
+    for i in 0..BATCHES {
+        engine
+            .publish_stored(None, &prompt(i), BLOCK, None)
+            .await
+            .unwrap();
+    }
+    eventually("A indexed every batch", || {
+        device_blocks(a.state(), 1, &prompt(BATCHES - 1)) == 16
+    })
+    .await;
+    for i in 0..BOOKINGS {
+        book(
+            &a,
+            &format!("a{i}"),
+            1 + u64::from(i % 2),
+            &prompt(i % BATCHES),
+        )
+        .await;
+    }
+    let a_loads = loads(a.state());
+    let b_first = replica(&nats, "b", &relay).await;
+    eventually("B has every booking", || loads(b_first.state()) == a_loads).await;
+    drop(b_first);
+
+    let started = Instant::now();
+    let b = replica(&nats, "b", &relay).await;
+    let recovered = started.elapsed();
+    assert_eq!(
+        loads(b.state()),
+        a_loads,
+        "every booking recovered at start"
+    );
+    for i in [0, BATCHES / 2, BATCHES - 1] {
+        assert_eq!(device_blocks(b.state(), 1, &prompt(i)), 16, "batch {i}");
+    }
+    println!(
+        "restart with {BOOKINGS} live bookings and {BATCHES} relayed event batches of 16 blocks: \
+         bookings and index recovered in {recovered:?}"
+    );
+    drop(a.tasks);
+    drop(b.tasks);
+}
