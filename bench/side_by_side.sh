@@ -22,7 +22,10 @@ DYNAMO_VERSION="${DYNAMO_VERSION:-1.6.1}"
 NS="${NS:-kvbench}"
 DYN_PORT=18081
 KV_PORT=18082
-EVENTS_BASE=30000
+# Each server subscribes only to its own fake engines: otherwise the idle server would ingest the
+# measured one's KV events and take CPU from it.
+DYN_EVENTS_BASE=30000
+KV_EVENTS_BASE=31000
 TRACE="${TRACE:-$repo/../shared/traces/mooncake/conversation_trace.jsonl}"
 venv="$here/.venv"
 stamp="$(date -u +%Y-%m-%dT%H-%M-%SZ)"
@@ -69,8 +72,10 @@ run() { # name port mode round register [extra loadgen flags...]
   shift 5
   local skip=(--skip-register)
   [ "$register" = 1 ] && skip=()
+  local events_base=$KV_EVENTS_BASE
+  [ "$name" = dynamo ] && events_base=$DYN_EVENTS_BASE
   in_ns "$kvroute" loadgen --url "http://127.0.0.1:$port" --workers "$WORKERS" "${skip[@]}" \
-    --events-base-port "$EVENTS_BASE" --concurrency "$CONCURRENCY" --duration-secs "$DURATION" \
+    --events-base-port "$events_base" --concurrency "$CONCURRENCY" --duration-secs "$DURATION" \
     --mode "$mode" --max-prompt-tokens "$MAX_PROMPT_TOKENS" "${trace_args[@]}" \
     --label "$name-$mode-r$round" --out "$workdir/$name-$mode-r$round.json" "$@" >/dev/null
   echo "   $name $mode round $round done"
@@ -87,8 +92,35 @@ for round in $(seq 1 "$ROUNDS"); do
 done
 
 echo "== event storm: kvroute /select while every fake engine publishes as fast as it can"
-run kvroute "$KV_PORT" select storm 0 --event-storm
+# Stored blocks kvroute applied so far (from its /metrics).
+stored_applied() {
+  in_ns python3 -c "
+import urllib.request
+t = urllib.request.urlopen('http://127.0.0.1:$KV_PORT/metrics', timeout=5).read().decode()
+print(sum(float(l.split()[-1]) for l in t.splitlines()
+          if l.startswith('kvroute_kv_events_total{') and 'type=\"stored\"' in l and 'status=\"applied\"' in l))"
+}
+storm_run() { # label [extra loadgen flags...]
+  local label=$1
+  shift
+  local before after
+  before=$(stored_applied)
+  run kvroute "$KV_PORT" select "$label" 0 --event-storm "$@"
+  after=$(stored_applied)
+  python3 - "$workdir/kvroute-select-r$label.json" "$before" "$after" <<'PY'
+import json, sys
+path, before, after = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+r = json.load(open(path))
+r["stored_blocks_applied_per_s"] = (after - before) / r["duration_s"]
+json.dump(r, open(path, "w"))
+PY
+}
 run kvroute "$KV_PORT" select quiet 0
+# Engines live on other hosts in production: at nice 19 the fake engines' publishing uses only
+# the CPU the service and the clients leave, as it would cost the router's machine nothing.
+storm_run storm --engine-nice 19
+# The same storm with the publishers competing for this machine's two cores like any process.
+storm_run storm-colocated --engine-nice 0
 
 out="$here/results/$stamp.json"
 python3 "$here/summarize.py" --dir "$workdir" --rounds "$ROUNDS" --out "$out" \

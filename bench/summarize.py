@@ -35,20 +35,29 @@ for mode in ("select", "cycle"):
             "throughput_ratio": thr, "p99_ratio": p99,
         })
 
-storm, quiet = runs.get("kvroute-select-rstorm"), runs.get("kvroute-select-rquiet")
-storm_row = None
-if storm and quiet:
+quiet = runs.get("kvroute-select-rquiet")
+storm_rows = []
+for label, engines in (("storm", "remote (fake engines at nice 19)"),
+                       ("storm-colocated", "co-located (fake engines at nice 0)")):
+    storm = runs.get(f"kvroute-select-r{label}")
+    if not (storm and quiet):
+        continue
     sp, qp = storm["routes"]["select"]["p99_us"], quiet["routes"]["select"]["p99_us"]
-    storm_row = {"quiet_p99_us": qp, "storm_p99_us": sp, "ratio": sp / qp if qp else 0.0,
-                 "quiet_rps": quiet["routes"]["select"]["rps"], "storm_rps": storm["routes"]["select"]["rps"],
-                 "storm_prompts_published": storm.get("event_storm_prompts")}
+    storm_rows.append({"engines": engines, "quiet_p99_us": qp, "storm_p99_us": sp,
+                       "ratio": sp / qp if qp else 0.0,
+                       "quiet_p50_us": quiet["routes"]["select"]["p50_us"],
+                       "storm_p50_us": storm["routes"]["select"]["p50_us"],
+                       "quiet_rps": quiet["routes"]["select"]["rps"],
+                       "storm_rps": storm["routes"]["select"]["rps"],
+                       "storm_prompts_published": storm.get("event_storm_prompts"),
+                       "stored_blocks_applied_per_s": storm.get("stored_blocks_applied_per_s")})
 summary = {m: {"median_throughput_ratio": statistics.median(x[0] for x in v),
                "median_p99_ratio": statistics.median(x[1] for x in v)} for m, v in ratios.items()}
 report = {
     "date": datetime.datetime.utcnow().isoformat() + "Z",
     "machine": a.machine, "dynamo_version": a.dynamo_version,
     "workload": {k: runs[next(iter(runs))].get(k) for k in ("workers", "concurrency", "mean_prompt_tokens", "prompts")} if runs else {},
-    "rows": rows, "summary": summary, "event_storm": storm_row, "runs": runs,
+    "rows": rows, "summary": summary, "event_storm": storm_rows, "runs": runs,
 }
 os.makedirs(os.path.dirname(a.out), exist_ok=True)
 json.dump(report, open(a.out, "w"), indent=2)
@@ -66,11 +75,16 @@ for r in rows:
 for m, s in summary.items():
     name = "/select" if m == "select" else "cycle"
     lines.append(f"| **{name} median** | | | | **{s['median_throughput_ratio']:.2f}×** | | | **{s['median_p99_ratio']:.2f}** |")
-if storm_row:
-    lines += ["", f"Event storm (kvroute /select, every fake engine publishing as fast as it can, "
-              f"{storm_row['storm_prompts_published']} prompts published): p99 {storm_row['storm_p99_us']} µs vs "
-              f"{storm_row['quiet_p99_us']} µs quiet — {storm_row['ratio']:.2f}× "
-              f"({storm_row['storm_rps']:.0f} vs {storm_row['quiet_rps']:.0f} req/s)."]
+if storm_rows:
+    lines += ["", "Event storm (kvroute `/select` while every fake engine publishes random prompts as fast as it can):", "",
+              "| engines | prompts published | stored blocks applied/s | /select p50 µs quiet → storm | p99 µs quiet → storm | p99 rise | req/s quiet → storm |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in storm_rows:
+        applied = r["stored_blocks_applied_per_s"]
+        applied = f"{applied:,.0f}" if applied is not None else "n/a"
+        lines.append(f"| {r['engines']} | {r['storm_prompts_published']} | {applied} | "
+                     f"{r['quiet_p50_us']} → {r['storm_p50_us']} | {r['quiet_p99_us']} → {r['storm_p99_us']} | "
+                     f"**{r['ratio']:.2f}×** | {r['quiet_rps']:.0f} → {r['storm_rps']:.0f} |")
 errs = sum(r["dynamo"]["errors"] + r["kvroute"]["errors"] for r in rows)
 lines += ["", f"Errors across all runs: {errs}."]
 table = "\n".join(lines)
