@@ -20,6 +20,9 @@ CONCURRENCY="${CONCURRENCY:-32}"
 MAX_PROMPT_TOKENS="${MAX_PROMPT_TOKENS:-16384}"
 DYNAMO_VERSION="${DYNAMO_VERSION:-1.6.1}"
 NS="${NS:-kvbench}"
+# Niceness of the fake engines' thread in the load generator: 19 stands in for engines on other
+# hosts (their publishing uses only CPU the servers and clients leave); 0 makes them compete.
+ENGINE_NICE="${ENGINE_NICE:-19}"
 DYN_PORT=18081
 KV_PORT=18082
 # Each server subscribes only to its own fake engines: otherwise the idle server would ingest the
@@ -75,7 +78,7 @@ run() { # name port mode round register [extra loadgen flags...]
   local events_base=$KV_EVENTS_BASE
   [ "$name" = dynamo ] && events_base=$DYN_EVENTS_BASE
   in_ns "$kvroute" loadgen --url "http://127.0.0.1:$port" --workers "$WORKERS" "${skip[@]}" \
-    --events-base-port "$events_base" --concurrency "$CONCURRENCY" --duration-secs "$DURATION" \
+    --events-base-port "$events_base" --engine-nice "${engine_nice:-$ENGINE_NICE}" --concurrency "$CONCURRENCY" --duration-secs "$DURATION" \
     --mode "$mode" --max-prompt-tokens "$MAX_PROMPT_TOKENS" "${trace_args[@]}" \
     --label "$name-$mode-r$round" --out "$workdir/$name-$mode-r$round.json" "$@" >/dev/null
   echo "   $name $mode round $round done"
@@ -118,9 +121,9 @@ PY
 run kvroute "$KV_PORT" select quiet 0
 # Engines live on other hosts in production: at nice 19 the fake engines' publishing uses only
 # the CPU the service and the clients leave, as it would cost the router's machine nothing.
-storm_run storm --engine-nice 19
+engine_nice=19 storm_run storm
 # The same storm with the publishers competing for this machine's two cores like any process.
-storm_run storm-colocated --engine-nice 0
+engine_nice=0 storm_run storm-colocated
 
 out="$here/results/$stamp.json"
 python3 "$here/summarize.py" --dir "$workdir" --rounds "$ROUNDS" --out "$out" \

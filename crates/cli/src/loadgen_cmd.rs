@@ -61,7 +61,8 @@ pub struct LoadgenArgs {
 
     /// Niceness (0–19) of the fake engines' thread. 0 lets them compete for the CPU like any
     /// process; 19 stands in for engines on other hosts, whose publishing costs the router's
-    /// machine nothing: they then use only the CPU the service and the clients leave.
+    /// machine nothing: they then use only the CPU the service and the clients leave (at most
+    /// 256 routed prompts wait to be published; beyond that the clients wait for the engines).
     #[arg(long, default_value_t = 0)]
     pub engine_nice: u8,
     /// Concurrent keep-alive connections (closed loop).
@@ -384,6 +385,8 @@ async fn run_async(
     }
     let duration = Duration::from_secs_f64(args.duration_secs.clamp(0.1, 3600.0));
     let counter = Arc::new(AtomicU64::new(0));
+    // Prompts handed to the engines and not yet published, at most.
+    let backlog = Arc::new(tokio::sync::Semaphore::new(256));
     let start = Instant::now();
     let mut tasks = Vec::new();
     let prompts = Arc::new(prompts);
@@ -417,6 +420,7 @@ async fn run_async(
     for task in 0..args.concurrency.max(1) {
         let engines = engines.clone();
         let engines_rt = engines_rt.clone();
+        let backlog = Arc::clone(&backlog);
         let prompts = Arc::clone(&prompts);
         let sequences = Arc::clone(&sequences);
         let bodies = Arc::clone(&bodies);
@@ -460,27 +464,32 @@ async fn run_async(
                 if mode == Mode::Cycle && status == Some(200) {
                     let reserve = format!("{{\"selection_id\":\"{id}\"}}");
                     let start_booking = Instant::now();
-                    let booked =
-                        match client
-                            .request("POST", "/reservations", Some(reserve.as_bytes()))
-                            .await
-                        {
-                            Ok((status, reply)) => {
-                                samples.routes.entry("reservations").or_default().push(
-                                    start_booking.elapsed().as_micros().min(u32::MAX as u128)
-                                        as u32,
-                                );
-                                *samples.statuses.entry(status).or_default() += 1;
-                                let worker = serde_json::from_slice::<serde_json::Value>(&reply)
-                                    .ok()
-                                    .and_then(|v| v["worker_id"].as_u64());
-                                // The engine that got the request now caches its prompt.
-                                if let (Some(engines), Some(w)) = (&engines, worker) {
-                                    let engines = Arc::clone(engines);
-                                    let prompts = Arc::clone(&prompts);
-                                    let sequences = Arc::clone(&sequences);
-                                    let at = (w as usize).wrapping_sub(1);
-                                    on_engines(&engines_rt, async move {
+                    let booked = match client
+                        .request("POST", "/reservations", Some(reserve.as_bytes()))
+                        .await
+                    {
+                        Ok((status, reply)) => {
+                            samples
+                                .routes
+                                .entry("reservations")
+                                .or_default()
+                                .push(start_booking.elapsed().as_micros().min(u32::MAX as u128)
+                                    as u32);
+                            *samples.statuses.entry(status).or_default() += 1;
+                            let worker = serde_json::from_slice::<serde_json::Value>(&reply)
+                                .ok()
+                                .and_then(|v| v["worker_id"].as_u64());
+                            // The engine that got the request now caches its prompt.
+                            if let (Some(engines), Some(w)) = (&engines, worker) {
+                                let engines = Arc::clone(engines);
+                                let prompts = Arc::clone(&prompts);
+                                let sequences = Arc::clone(&sequences);
+                                let at = (w as usize).wrapping_sub(1);
+                                // The engine publishes in the background, as a real one
+                                // does while it serves the request; a bounded backlog
+                                // makes the clients wait when the engines fall behind.
+                                if let Ok(permit) = Arc::clone(&backlog).acquire_owned().await {
+                                    engines_rt.spawn(async move {
                                         if let Some(engine) = engines.get(at) {
                                             engine
                                                 .lock()
@@ -488,16 +497,17 @@ async fn run_async(
                                                 .cache_prompt(&prompts[index], &sequences[index])
                                                 .await;
                                         }
-                                    })
-                                    .await;
+                                        drop(permit);
+                                    });
                                 }
-                                Some(status)
                             }
-                            Err(_) => {
-                                samples.transport_errors += 1;
-                                None
-                            }
-                        };
+                            Some(status)
+                        }
+                        Err(_) => {
+                            samples.transport_errors += 1;
+                            None
+                        }
+                    };
                     if booked == Some(201) {
                         let prefill = format!("/reservations/{id}/prefill_complete");
                         timed(
