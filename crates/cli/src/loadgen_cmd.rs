@@ -119,10 +119,13 @@ fn trace_prompts(path: &PathBuf, cap: usize) -> Result<Vec<Vec<u32>>, String> {
             .map(|a| a.iter().filter_map(serde_json::Value::as_u64).collect())
             .unwrap_or_default();
         let len = input.min(cap).min(ids.len() * 512);
+        // Each 512-token hash id becomes its own 512 pseudo-random ids in a real vocabulary's
+        // range (Qwen2's 151,936 tokens), so equal hash ids give equal tokens and different ones
+        // differ, and bodies are as long as a real prompt's.
         let tokens: Vec<u32> = (0..len)
             .map(|t| {
                 let id = ids[t / 512];
-                ((id * 512 + (t % 512) as u64) % 4_000_000_000) as u32
+                (splitmix64(id * 512 + (t % 512) as u64) % VOCAB) as u32
             })
             .collect();
         if !tokens.is_empty() {
@@ -133,6 +136,16 @@ fn trace_prompts(path: &PathBuf, cap: usize) -> Result<Vec<Vec<u32>>, String> {
         return Err(format!("{path:?} has no prompts"));
     }
     Ok(prompts)
+}
+
+/// Token ids are drawn from a vocabulary of this size.
+const VOCAB: u64 = 151_936;
+
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 /// 64 groups sharing a 2,048-token system prompt, each request adding 512 tokens of its own.

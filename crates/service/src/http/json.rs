@@ -194,13 +194,26 @@ fn parse_token(body: &[u8], i: usize) -> Option<(u32, usize)> {
             | ((chunk.wrapping_add(0x06 * ONES) & (0xF0 * ONES)) ^ (0x30 * ONES));
         let nonzero = (((bad & (0x7F * ONES)).wrapping_add(0x7F * ONES)) | bad) & (0x80 * ONES);
         let digits = (nonzero.trailing_zeros() / 8) as usize;
+        if first == b'0' && digits > 1 {
+            return None;
+        }
         if digits < 8 {
-            if first == b'0' && digits > 1 {
-                return None;
-            }
             let shifted = chunk.wrapping_sub(0x30 * ONES) << (8 * (8 - digits));
             return Some((eight_digits(shifted), i + digits));
         }
+        // Eight digits and maybe two more (u32 has at most ten).
+        let mut value = u64::from(eight_digits(chunk.wrapping_sub(0x30 * ONES)));
+        let mut j = i + 8;
+        while let Some(&b) = body.get(j)
+            && b.is_ascii_digit()
+        {
+            if j - i == 10 {
+                return None;
+            }
+            value = value * 10 + u64::from(b - b'0');
+            j += 1;
+        }
+        return u32::try_from(value).ok().map(|v| (v, j));
     }
     let mut value = u64::from(first - b'0');
     let mut j = i + 1;

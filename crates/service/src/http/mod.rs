@@ -129,6 +129,13 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     tokio::spawn(Arc::clone(&state).run_housekeeping());
     let drain_state = Arc::clone(&state);
+    use axum::serve::ListenerExt;
+    // Responses leave at once (no Nagle delay behind an unacknowledged segment).
+    let listener = listener.tap_io(|stream| {
+        if let Err(error) = stream.set_nodelay(true) {
+            tracing::debug!(%error, "cannot set TCP_NODELAY");
+        }
+    });
     axum::serve(listener, app(state))
         .with_graceful_shutdown(async move {
             shutdown.await;
