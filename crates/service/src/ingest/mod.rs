@@ -226,6 +226,12 @@ impl IngestManager {
         }
     }
 
+    /// Where the listeners hand their decoded events (for benches and tests that feed events
+    /// without a ZMQ socket).
+    pub fn sink(&self) -> Arc<dyn EventSink> {
+        Arc::clone(&self.sink)
+    }
+
     /// Brings a worker's listeners in line with its record, after an upsert or patch. `restart`:
     /// its endpoints, ranks or lifecycle changed. Must be called from inside a tokio runtime;
     /// outside one, listeners cannot start and a warning is logged.
