@@ -118,14 +118,7 @@ pub fn top_level_value_start(bytes: &[u8], key: &[u8]) -> Option<usize> {
             b',' => expect_key = true,
             b'"' => {
                 let start = i + 1;
-                i += 1;
-                while i < bytes.len() {
-                    match bytes[i] {
-                        b'\\' => i += 2,
-                        b'"' => break,
-                        _ => i += 1,
-                    }
-                }
+                i = string_end(bytes, start);
                 let text = bytes.get(start..i)?;
                 if depth == 1 && expect_key && text == key {
                     let colon = skip_ws(bytes, i + 1);
@@ -141,6 +134,19 @@ pub fn top_level_value_start(bytes: &[u8], key: &[u8]) -> Option<usize> {
         i += 1;
     }
     None
+}
+
+/// The index of the quote that closes a string whose text starts at `i` (escapes skipped), or
+/// past the end when it is not closed.
+fn string_end(bytes: &[u8], mut i: usize) -> usize {
+    while i < bytes.len() {
+        match bytes[i] {
+            b'\\' => i += 2,
+            b'"' => return i,
+            _ => i += 1,
+        }
+    }
+    i
 }
 
 fn skip_ws(bytes: &[u8], mut i: usize) -> usize {
@@ -315,14 +321,7 @@ pub fn first_duplicate_key(bytes: &[u8]) -> Option<String> {
             b',' => expect_key = matches!(stack.last(), Some(Some(_))),
             b'"' => {
                 let start = i + 1;
-                i += 1;
-                while i < bytes.len() {
-                    match bytes[i] {
-                        b'\\' => i += 2,
-                        b'"' => break,
-                        _ => i += 1,
-                    }
-                }
+                i = string_end(bytes, start);
                 let text = &bytes[start..i.min(bytes.len())];
                 if expect_key {
                     if let Some(Some(keys)) = stack.last_mut() {
