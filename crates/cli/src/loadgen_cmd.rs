@@ -190,14 +190,6 @@ impl Engine {
             block_size: self.block_size,
             ..StoredBlocks::default()
         };
-        if self
-            .engine
-            .publish_stored_hashed(&blocks, &sequence[have..])
-            .await
-            .is_err()
-        {
-            return;
-        }
         for &h in &sequence[have..] {
             if self.held.insert(h) {
                 self.order.push_back(h);
@@ -210,9 +202,12 @@ impl Engine {
                 evicted.push(h);
             }
         }
-        if !evicted.is_empty() {
-            let _ = self.engine.publish_removed(&evicted, None).await;
-        }
+        // One message for the step's stores and evictions. (A failed publish, only seen at
+        // shutdown, leaves the books as if it had gone out.)
+        let _ = self
+            .engine
+            .publish_stored_hashed(&blocks, &sequence[have..], &evicted)
+            .await;
     }
 }
 

@@ -393,15 +393,26 @@ impl FakeEngine {
         Ok(hashes)
     }
 
-    /// Publishes a `BlockStored` whose engine hashes the caller already computed (one per full
-    /// block of `blocks.token_ids`, chained from `blocks.parent` as [`stored_event`] would).
+    /// Publishes, in one batch (as vLLM does for one scheduler step), a `BlockStored` whose
+    /// engine hashes the caller already computed (one per full block of `blocks.token_ids`,
+    /// chained from `blocks.parent` as [`stored_event`] would) and, when `removed` is not empty,
+    /// a `BlockRemoved` of those blocks.
     pub async fn publish_stored_hashed(
         &mut self,
         blocks: &StoredBlocks<'_>,
         hashes: &[u64],
+        removed: &[u64],
     ) -> Result<(), FakeEngineError> {
         let (event, _) = stored_event_with_hashes(blocks, hashes.to_vec());
-        self.publish_events(vec![event]).await?;
+        let mut events = vec![event];
+        if !removed.is_empty() {
+            events.push(RawEvent::Removed(RawRemoved {
+                block_hashes: removed.to_vec(),
+                medium: Some(blocks.medium.unwrap_or("GPU").to_string()),
+                group_idx: None,
+            }));
+        }
+        self.publish_events(events).await?;
         Ok(())
     }
 
