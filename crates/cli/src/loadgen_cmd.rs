@@ -12,6 +12,7 @@ use hashbrown::HashSet;
 use kvroute_core::hash::{BASE_SEED, PromptHashes};
 use kvroute_service::client::HttpClient;
 use kvroute_service::fake_engine::{FakeEngine, StoredBlocks};
+use kvroute_service::ingest::lower_current_thread_priority;
 use kvroute_wire::Encoding;
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -637,15 +638,8 @@ pub fn run(args: LoadgenArgs) -> ExitCode {
         .thread_name("fake-engines")
         .enable_all()
         .on_thread_start(move || {
-            if nice > 0 {
-                // Normal threads' priorities 0..=99 map linearly onto niceness 19..=-20.
-                let value = ((19 - i32::from(nice)) * 99 / 39).clamp(0, 99) as u8;
-                if let Ok(v) = thread_priority::ThreadPriorityValue::try_from(value) {
-                    let _ = thread_priority::set_current_thread_priority(
-                        thread_priority::ThreadPriority::Crossplatform(v),
-                    );
-                }
-            }
+            // Best effort, as before: the engines still publish at normal priority.
+            let _ = lower_current_thread_priority(nice);
         })
         .build()
     {

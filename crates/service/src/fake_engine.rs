@@ -173,6 +173,15 @@ pub fn stored_event_with_hashes(
     (event, hashes)
 }
 
+/// A `BlockRemoved` of engine hashes from `medium` (`None` is the device).
+fn removed_event(block_hashes: &[u64], medium: Option<&str>) -> RawEvent {
+    RawEvent::Removed(RawRemoved {
+        block_hashes: block_hashes.to_vec(),
+        medium: Some(medium.unwrap_or("GPU").to_string()),
+        group_idx: None,
+    })
+}
+
 fn now_secs() -> f64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -406,11 +415,7 @@ impl FakeEngine {
         let (event, _) = stored_event_with_hashes(blocks, hashes.to_vec());
         let mut events = vec![event];
         if !removed.is_empty() {
-            events.push(RawEvent::Removed(RawRemoved {
-                block_hashes: removed.to_vec(),
-                medium: Some(blocks.medium.unwrap_or("GPU").to_string()),
-                group_idx: None,
-            }));
+            events.push(removed_event(removed, blocks.medium));
         }
         self.publish_events(events).await?;
         Ok(())
@@ -422,12 +427,8 @@ impl FakeEngine {
         block_hashes: &[u64],
         medium: Option<&str>,
     ) -> Result<u64, FakeEngineError> {
-        let event = RawEvent::Removed(RawRemoved {
-            block_hashes: block_hashes.to_vec(),
-            medium: Some(medium.unwrap_or("GPU").to_string()),
-            group_idx: None,
-        });
-        self.publish_events(vec![event]).await
+        self.publish_events(vec![removed_event(block_hashes, medium)])
+            .await
     }
 
     /// Publishes an `AllBlocksCleared`; returns its sequence number.
@@ -612,11 +613,7 @@ impl ScriptEvent {
                         lora_name.as_deref(),
                     ));
                 }
-                RawEvent::Removed(RawRemoved {
-                    block_hashes: hashes,
-                    medium: Some(medium.clone().unwrap_or_else(|| "GPU".to_string())),
-                    group_idx: None,
-                })
+                removed_event(&hashes, medium.as_deref())
             }
             ScriptEvent::Cleared => RawEvent::Cleared,
         }

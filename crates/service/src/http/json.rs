@@ -58,6 +58,9 @@ async fn body_bytes<S: Send + Sync>(req: Request, state: &S) -> Result<Bytes, Ap
 /// A body type [`StrictJson`] can parse. Bodies with a top-level `token_ids` field expose it so
 /// the token array can take the fast path.
 pub trait JsonBody: DeserializeOwned {
+    /// Whether the body has a top-level `token_ids` field worth the fast path.
+    const HAS_TOKEN_IDS: bool = false;
+
     fn token_ids_slot(&mut self) -> Option<&mut Option<Vec<u32>>> {
         None
     }
@@ -76,6 +79,9 @@ pub fn parse_strict<T: JsonBody>(bytes: &[u8]) -> Result<T, ApiError> {
 /// The fast path: `None` whenever it does not apply or anything fails (the caller then parses
 /// the original body the ordinary way, which also produces the error message).
 fn parse_with_fast_tokens<T: JsonBody>(bytes: &[u8]) -> Option<T> {
+    if !T::HAS_TOKEN_IDS {
+        return None;
+    }
     let start = top_level_value_start(bytes, b"token_ids")?;
     let (tokens, len) = parse_token_array(&bytes[start..])?;
     let mut patched = Vec::with_capacity(bytes.len() - len + 2);
@@ -424,6 +430,8 @@ mod tests {
     }
 
     impl JsonBody for Prompt {
+        const HAS_TOKEN_IDS: bool = true;
+
         fn token_ids_slot(&mut self) -> Option<&mut Option<Vec<u32>>> {
             Some(&mut self.token_ids)
         }

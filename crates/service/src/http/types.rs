@@ -558,6 +558,8 @@ pub fn overlap_scores_json(s: &OverlapScores) -> Value {
 macro_rules! json_body_with_tokens {
     ($($t:ty),*) => {$(
         impl crate::http::json::JsonBody for $t {
+            const HAS_TOKEN_IDS: bool = true;
+
             fn token_ids_slot(&mut self) -> Option<&mut Option<Vec<u32>>> {
                 Some(&mut self.token_ids)
             }

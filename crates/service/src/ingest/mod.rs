@@ -159,6 +159,20 @@ pub struct IngestManager {
     runtime: Option<tokio::runtime::Runtime>,
 }
 
+/// Sets the calling thread's niceness to `nice` (0–19; 0 leaves it alone).
+pub fn lower_current_thread_priority(nice: u8) -> Result<(), String> {
+    if nice == 0 {
+        return Ok(());
+    }
+    // Linux maps priorities 0..=99 of normal threads linearly onto niceness 19..=-20.
+    let value = ((19 - i32::from(nice.min(19))) * 99 / 39).clamp(0, 99) as u8;
+    let value = thread_priority::ThreadPriorityValue::try_from(value).map_err(|e| e.to_string())?;
+    thread_priority::set_current_thread_priority(thread_priority::ThreadPriority::Crossplatform(
+        value,
+    ))
+    .map_err(|e| format!("{e:?}"))
+}
+
 /// The listeners' runtime: one worker thread, lowered to `nice` when above 0.
 fn ingest_runtime(nice: u8) -> std::io::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
@@ -167,20 +181,7 @@ fn ingest_runtime(nice: u8) -> std::io::Result<tokio::runtime::Runtime> {
         .thread_name("kvroute-ingest")
         .enable_all()
         .on_thread_start(move || {
-            if nice == 0 {
-                return;
-            }
-            // Linux maps priorities 0..=99 of normal threads linearly onto niceness 19..=-20.
-            let value = ((19 - i32::from(nice.min(19))) * 99 / 39).clamp(0, 99) as u8;
-            let result = thread_priority::ThreadPriorityValue::try_from(value)
-                .map_err(|e| e.to_string())
-                .and_then(|v| {
-                    thread_priority::set_current_thread_priority(
-                        thread_priority::ThreadPriority::Crossplatform(v),
-                    )
-                    .map_err(|e| format!("{e:?}"))
-                });
-            if let Err(error) = result {
+            if let Err(error) = lower_current_thread_priority(nice) {
                 tracing::warn!(nice, %error, "could not lower the ingest thread's priority");
             }
         })
