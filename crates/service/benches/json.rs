@@ -37,6 +37,14 @@ fn bench_parts(c: &mut Criterion) {
     c.bench_function("plain_from_slice_select_body_8192", |b| {
         b.iter(|| serde_json::from_slice::<SelectBody>(black_box(body.as_bytes())).expect("parses"))
     });
+    let array = serde_json::to_string(&ids).unwrap();
+    c.bench_function("token_array_8192", |b| {
+        b.iter(|| kvroute_service::http::json::parse_token_array(black_box(array.as_bytes())))
+    });
+    let spaced = array.replace(',', ", ");
+    c.bench_function("token_array_8192_spaced", |b| {
+        b.iter(|| kvroute_service::http::json::parse_token_array(black_box(spaced.as_bytes())))
+    });
     c.bench_function("duplicate_scan_8192", |b| {
         b.iter(|| kvroute_service::http::json::first_duplicate_key(black_box(body.as_bytes())))
     });

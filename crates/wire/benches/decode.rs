@@ -9,7 +9,33 @@ use kvroute_wire::{
     decode_batch, encode_batch, to_kv_events,
 };
 
+/// Token ids as a real tokenizer's output looks to the decoder: spread over a 151,936-token
+/// vocabulary, so the one-, three- and five-byte forms follow each other at random.
+fn vocabulary_tokens(n: u32, salt: u32) -> Vec<u32> {
+    (0..n)
+        .map(|t| {
+            let mut z = u64::from(t ^ (salt << 20)).wrapping_add(0x9E37_79B9_7F4A_7C15);
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            ((z ^ (z >> 31)) % 151_936) as u32
+        })
+        .collect()
+}
+
 fn stored_batch(events: usize, blocks: usize, block_size: u32) -> EventBatch {
+    stored_batch_with(events, blocks, block_size, |e, n| {
+        (0..n)
+            .map(|t| (t * 7919 + e as u32 * 104_729) % 151_000)
+            .collect()
+    })
+}
+
+fn stored_batch_with(
+    events: usize,
+    blocks: usize,
+    block_size: u32,
+    tokens: impl Fn(usize, u32) -> Vec<u32>,
+) -> EventBatch {
     let mut next_hash = 0x9e37_79b9_7f4a_7c15u64;
     let events = (0..events)
         .map(|e| {
@@ -19,9 +45,7 @@ fn stored_batch(events: usize, blocks: usize, block_size: u32) -> EventBatch {
                     next_hash
                 })
                 .collect();
-            let token_ids = (0..blocks as u32 * block_size)
-                .map(|t| (t * 7919 + e as u32 * 104_729) % 151_000)
-                .collect();
+            let token_ids = tokens(e, blocks as u32 * block_size);
             RawEvent::Stored(RawStored {
                 block_hashes,
                 parent_block_hash: (e % 2 == 1).then_some(next_hash ^ 0xdead_beef),
@@ -67,6 +91,14 @@ fn bench_decode(c: &mut Criterion) {
             b.iter(|| decode_batch(black_box(&payload)))
         });
     }
+    let random = encode_batch(
+        &stored_batch_with(32, 16, 64, |e, n| vocabulary_tokens(n, e as u32)),
+        EncodeOptions::default(),
+    );
+    group.throughput(Throughput::Bytes(random.len() as u64));
+    group.bench_function("32_stored_x_16_blocks_x_64_vocabulary_tokens/array", |b| {
+        b.iter(|| decode_batch(black_box(&random)))
+    });
     let mixed = encode_batch(&mixed_batch(), EncodeOptions::default());
     group.throughput(Throughput::Elements(100));
     group.bench_function("100_events_mixed/array", |b| {
@@ -89,6 +121,10 @@ fn bench_decode(c: &mut Criterion) {
     group.throughput(Throughput::Bytes(payload.len() as u64));
     group.bench_function("32_stored_x_16_blocks_x_64_tokens/array", |b| {
         b.iter(|| encode_batch(black_box(&batch), EncodeOptions::default()))
+    });
+    let random = stored_batch_with(32, 16, 64, |e, n| vocabulary_tokens(n, e as u32));
+    group.bench_function("32_stored_x_16_blocks_x_64_vocabulary_tokens/array", |b| {
+        b.iter(|| encode_batch(black_box(&random), EncodeOptions::default()))
     });
     group.finish();
 }

@@ -154,10 +154,7 @@ fn stored_field(w: &mut Writer<'_>, s: &RawStored, index: usize, hashes: HashEnc
             None => w.nil(),
         },
         2 => {
-            w.array_len(s.token_ids.len());
-            for &token in &s.token_ids {
-                w.uint(u64::from(token));
-            }
+            w.token_ids(&s.token_ids);
         }
         3 => w.uint(u64::from(s.block_size)),
         4 => opt_uint(w, s.lora_id),

@@ -165,25 +165,111 @@ fn skip_ws(bytes: &[u8], mut i: usize) -> usize {
 /// Parses `[1, 2, 3]` at the start of `bytes` as token ids: plain JSON integers in `0..=u32::MAX`
 /// (no sign, fraction, exponent or leading zero). Returns the ids and the array's length in
 /// bytes, or `None` for anything else.
+///
+/// Long arrays are cut at a comma near the middle and the two halves read in one interleaved
+/// loop: reading an id must finish before the next one's start is known, so one cursor leaves
+/// the CPU waiting, and two keep it busy.
 pub fn parse_token_array(bytes: &[u8]) -> Option<(Vec<u32>, usize)> {
     if bytes.first() != Some(&b'[') {
         return None;
     }
     let end = memchr::memchr(b']', bytes)?;
     let body = &bytes[1..end];
-    let mut out = Vec::with_capacity(memchr::memchr_iter(b',', body).count() + 1);
-    let mut i = skip_ws(body, 0);
-    if i == body.len() {
-        return Some((out, end + 1));
+    if skip_ws(body, 0) == body.len() {
+        return Some((Vec::new(), end + 1));
     }
-    loop {
-        let (value, next) = parse_token(body, i)?;
-        out.push(value);
-        i = skip_ws(body, next);
-        match body.get(i) {
-            None => return Some((out, end + 1)),
-            Some(b',') => i = skip_ws(body, i + 1),
-            Some(_) => return None,
+    // A valid list has one id more than it has commas: each half fills exactly its share.
+    let mut out = vec![0u32; memchr::memchr_iter(b',', body).count() + 1];
+    let split = (out.len() > 64)
+        .then(|| memchr::memchr(b',', &body[body.len() / 2..]).map(|c| body.len() / 2 + c))
+        .flatten();
+    match split {
+        None => Cursor::new(body, &mut out).finish()?,
+        Some(split) => {
+            let ids = memchr::memchr_iter(b',', &body[..split]).count() + 1;
+            let (head, tail) = out.split_at_mut(ids);
+            let mut first = Cursor::new(&body[..split], head);
+            let mut second = Cursor::new(&body[split + 1..], tail);
+            while first.short_token()? && second.short_token()? {}
+            first.finish()?;
+            second.finish()?;
+        }
+    }
+    Some((out, end + 1))
+}
+
+/// A position in a comma-separated list of ids (an array's contents or part of them) and the
+/// slots its ids go to.
+struct Cursor<'a, 'o> {
+    body: &'a [u8],
+    i: usize,
+    out: &'o mut [u32],
+    filled: usize,
+}
+
+impl<'a, 'o> Cursor<'a, 'o> {
+    fn new(body: &'a [u8], out: &'o mut [u32]) -> Self {
+        Self {
+            body,
+            i: skip_ws(body, 0),
+            out,
+            filled: 0,
+        }
+    }
+
+    fn push(&mut self, id: u32) -> Option<()> {
+        *self.out.get_mut(self.filled)? = id;
+        self.filled += 1;
+        Some(())
+    }
+
+    /// Takes one id of one to six digits followed by a comma and at most one space when all of
+    /// it lies within the next eight bytes, with one load and no branch on its length. `false`
+    /// when the next id is not of that shape (nothing is consumed); `None` for an id with a
+    /// leading zero.
+    #[inline(always)]
+    fn short_token(&mut self) -> Option<bool> {
+        let Some(chunk) = self
+            .body
+            .get(self.i..)
+            .and_then(|rest| rest.first_chunk::<8>())
+        else {
+            return Some(false);
+        };
+        let word = u64::from_le_bytes(*chunk);
+        // Digits become 0..=9; a byte is not a digit when it is 10 or more (a carry out of a
+        // non-digit byte only disturbs the bytes after it, which are not looked at).
+        let values = word ^ (0x30 * ONES);
+        let non_digit = (values.wrapping_add(0x76 * ONES) | values) & (0x80 * ONES);
+        let digits = non_digit.trailing_zeros() / 8;
+        // The comma and the byte after it.
+        let separator = word >> (8 * digits);
+        if !(1..=6).contains(&digits) || separator as u8 != b',' {
+            return Some(false);
+        }
+        if word as u8 == b'0' && digits > 1 {
+            return None;
+        }
+        self.push(eight_digits(values << (8 * (8 - digits))))?;
+        let space = (separator >> 8) as u8 == b' ';
+        self.i += digits as usize + 1 + usize::from(space);
+        Some(true)
+    }
+
+    /// Reads the rest of the list: at least one id, ids separated by commas, whitespace around
+    /// them, nothing else; and every slot filled.
+    fn finish(&mut self) -> Option<()> {
+        loop {
+            while self.short_token()? {}
+            let i = skip_ws(self.body, self.i);
+            let (value, next) = parse_token(self.body, i)?;
+            self.push(value)?;
+            let i = skip_ws(self.body, next);
+            match self.body.get(i) {
+                None => return (self.filled == self.out.len()).then_some(()),
+                Some(b',') => self.i = skip_ws(self.body, i + 1),
+                Some(_) => return None,
+            }
         }
     }
 }
@@ -498,6 +584,72 @@ mod tests {
             same_as_plain(&body);
             let fast = parse_strict::<Prompt>(body.as_bytes()).unwrap();
             assert_eq!(fast.token_ids.as_deref(), Some(&ids[..]));
+        }
+    }
+
+    /// Long arrays (cut in two halves) in the shapes clients write, with one flaw put anywhere:
+    /// the fast path takes or refuses exactly what the ordinary parse does.
+    #[test]
+    fn long_arrays_with_a_flaw_anywhere_match_the_ordinary_parse() {
+        let ids: Vec<String> = (0..200u64)
+            .map(|i| {
+                (i.wrapping_mul(2_654_435_761) % [10, 1000, 151_936, 99_999_999][(i % 4) as usize])
+                    .to_string()
+            })
+            .collect();
+        let flaws = [
+            "",
+            ",",
+            " ",
+            "00",
+            "-1",
+            "1.5",
+            "[",
+            "\"x\"",
+            "4294967296",
+            "\n",
+            "07",
+            " , ",
+        ];
+        for separator in [",", ", ", " ,", ",\n  ", " , "] {
+            let clean = ids.join(separator);
+            same_as_plain(&format!(r#"{{"token_ids":[{clean}]}}"#));
+            for at in (0..clean.len())
+                .step_by(37)
+                .chain([clean.len() / 2, clean.len() / 2 + 1])
+            {
+                if !clean.is_char_boundary(at) {
+                    continue;
+                }
+                for flaw in flaws {
+                    let body = format!(
+                        r#"{{"token_ids":[{}{flaw}{}]}}"#,
+                        &clean[..at],
+                        &clean[at..]
+                    );
+                    same_as_plain(&body);
+                }
+            }
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn random_token_lists_parse_as_serde_does(
+            ids in proptest::collection::vec(proptest::num::u32::ANY, 0..300),
+            spaces in proptest::collection::vec(0usize..3, 300),
+        ) {
+            let mut text = String::from(r#"{"token_ids":["#);
+            for (k, id) in ids.iter().enumerate() {
+                if k > 0 {
+                    text.push(',');
+                    text.push_str(&" ".repeat(spaces[k]));
+                }
+                text.push_str(&id.to_string());
+            }
+            text.push_str("]}");
+            let fast = parse_strict::<Prompt>(text.as_bytes()).unwrap();
+            proptest::prop_assert_eq!(fast.token_ids.as_deref(), Some(&ids[..]));
         }
     }
 
