@@ -3,6 +3,8 @@
 //!
 //! - `load_book_free_{64,2048}_blocks_1000_ranks`: book a prompt (system prompt + its own blocks)
 //!   on one rank and free it again: the cost of one reservation's life, without lifecycle calls.
+//! - `load_book_free_128_blocks_idle_rank_1000_ranks`: the same on a rank with no other booking
+//!   (its state comes and goes with the booking).
 //! - `load_book_output_x16_free_2048_blocks_1000_ranks`: the same with 16 output blocks reported.
 //! - `load_potential_decode_blocks_per_rank_1000_ranks_x_2048_blocks`: the single-rank query
 //!   called for every rank, O(ranks × prompt).
@@ -79,6 +81,17 @@ fn bench_book_free(c: &mut Criterion) {
             })
         });
     }
+    // A rank with no other booking, as most ranks are in a fleet with fewer requests in flight
+    // than ranks: its state is created by the booking and dropped by the free.
+    let idle = Rank::new(WORKERS + 1, 0);
+    let hashes = prompt(900_000_000, 128);
+    group.bench_function("load_book_free_128_blocks_idle_rank_1000_ranks", |b| {
+        b.iter(|| {
+            let outcome = tracker.book(booking("bench".into(), idle, Arc::clone(&hashes)), now);
+            black_box(&outcome);
+            black_box(tracker.free("bench").is_ok())
+        })
+    });
     let hashes = prompt(900_000_000, 2048);
     group.bench_function("load_book_output_x16_free_2048_blocks_1000_ranks", |b| {
         b.iter(|| {

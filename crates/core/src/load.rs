@@ -193,6 +193,8 @@ impl LoadTracker {
         };
 
         let slot = self.ranks.slot_or_insert(booking.rank);
+        self.ranks
+            .reserve_blocks(slot, booking.sequence_hashes.len());
         let mut shared_blocks = 0;
         for &hash in booking.sequence_hashes.iter() {
             if self.ranks.add_block(slot, hash) {
@@ -636,7 +638,17 @@ struct RankTable {
     free_slots: Vec<usize>,
     slot_of: HashMap<Rank, usize>,
     holders: HashMap<u64, SmallVec<[usize; 2]>>,
+    /// Emptied block maps of departed ranks, kept for the next rank that gets a booking: in a
+    /// fleet where most ranks hold zero or one booking at a time, every booking would otherwise
+    /// grow a new map from nothing. At most [`SPARE_BLOCK_MAPS`] of them, each at most
+    /// [`SPARE_BLOCK_MAP_CAPACITY`] slots.
+    spare_block_maps: Vec<HashMap<u64, HeldBlock>>,
 }
+
+/// Spare block maps kept (see [`RankTable::spare_block_maps`]).
+const SPARE_BLOCK_MAPS: usize = 64;
+/// Largest spare block map kept, in entries (a map grown by a huge prompt is dropped instead).
+const SPARE_BLOCK_MAP_CAPACITY: usize = 1 << 14;
 
 impl RankTable {
     fn get(&self, rank: Rank) -> Option<&RankState> {
@@ -659,7 +671,7 @@ impl RankTable {
         }
         let state = RankState {
             rank,
-            blocks: HashMap::new(),
+            blocks: self.spare_block_maps.pop().unwrap_or_default(),
             private_blocks: 0,
             prefill_tokens: 0,
             requests: 0,
@@ -676,6 +688,13 @@ impl RankTable {
         };
         self.slot_of.insert(rank, slot);
         slot
+    }
+
+    /// Makes room in the rank's block map for `blocks` more hashes at once.
+    fn reserve_blocks(&mut self, slot: usize, blocks: usize) {
+        if let Some(Some(state)) = self.slots.get_mut(slot) {
+            state.blocks.reserve(blocks);
+        }
     }
 
     /// Adds one reference to `hash` on the rank; true if the rank already held it.
@@ -754,6 +773,13 @@ impl RankTable {
         if let Some(state) = self.slots.get_mut(slot).and_then(Option::take) {
             self.slot_of.remove(&state.rank);
             self.free_slots.push(slot);
+            let mut blocks = state.blocks;
+            if self.spare_block_maps.len() < SPARE_BLOCK_MAPS
+                && blocks.capacity() <= SPARE_BLOCK_MAP_CAPACITY
+            {
+                blocks.clear();
+                self.spare_block_maps.push(blocks);
+            }
         }
     }
 }
