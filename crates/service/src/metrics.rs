@@ -6,6 +6,7 @@ use kvroute_core::index::ApplyOutcome;
 use kvroute_core::pending::PendingCounters;
 use kvroute_core::selector::Selector;
 use parking_lot::Mutex;
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -22,6 +23,25 @@ fn labels(pairs: &[(&str, &str)]) -> Labels {
         .collect()
 }
 
+/// Labels of the per-request counter. Static strings and a number, so counting a request
+/// allocates nothing.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct HttpLabels {
+    route: &'static str,
+    method: &'static str,
+    status: u16,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteLabel {
+    route: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PhaseLabel {
+    phase: &'static str,
+}
+
 fn latency_histogram() -> Histogram {
     // 20 µs … ~10 s.
     Histogram::new(exponential_buckets(20e-6, 2.0, 20))
@@ -30,9 +50,9 @@ fn latency_histogram() -> Histogram {
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
-    http_requests: Family<Labels, Counter>,
-    http_duration: Family<Labels, Histogram, fn() -> Histogram>,
-    select_phase: Family<Labels, Histogram, fn() -> Histogram>,
+    http_requests: Family<HttpLabels, Counter>,
+    http_duration: Family<RouteLabel, Histogram, fn() -> Histogram>,
+    select_phase: Family<PhaseLabel, Histogram, fn() -> Histogram>,
     kv_events: Family<Labels, Counter>,
     /// ZMQ messages per endpoint and status (ok, malformed, duplicate, replayed, stale).
     pub kv_messages: Family<Labels, Counter>,
@@ -68,21 +88,24 @@ impl Default for Metrics {
 impl Metrics {
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("kvroute");
-        let http_requests = Family::<Labels, Counter>::default();
+        let http_requests = Family::<HttpLabels, Counter>::default();
         registry.register(
             "http_requests",
             "HTTP requests by route, method and status",
             http_requests.clone(),
         );
         let http_duration =
-            Family::<Labels, Histogram, fn() -> Histogram>::new_with_constructor(latency_histogram);
+            Family::<RouteLabel, Histogram, fn() -> Histogram>::new_with_constructor(
+                latency_histogram,
+            );
         registry.register(
             "http_request_duration_seconds",
             "HTTP request latency by route",
             http_duration.clone(),
         );
-        let select_phase =
-            Family::<Labels, Histogram, fn() -> Histogram>::new_with_constructor(latency_histogram);
+        let select_phase = Family::<PhaseLabel, Histogram, fn() -> Histogram>::new_with_constructor(
+            latency_histogram,
+        );
         registry.register(
             "select_phase_duration_seconds",
             "Selection overhead by phase (hash: hashing token ids; route: index lookup and scheduling)",
@@ -212,23 +235,29 @@ impl Metrics {
         }
     }
 
-    pub fn observe_http(&self, route: &str, method: &str, status: u16, seconds: f64) {
-        let status = status.to_string();
+    /// Counts one request of a route (its template, e.g. `/reservations/{reservation_id}`).
+    pub fn observe_http(
+        &self,
+        route: &'static str,
+        method: &'static str,
+        status: u16,
+        seconds: f64,
+    ) {
         self.http_requests
-            .get_or_create(&labels(&[
-                ("route", route),
-                ("method", method),
-                ("status", &status),
-            ]))
+            .get_or_create(&HttpLabels {
+                route,
+                method,
+                status,
+            })
             .inc();
         self.http_duration
-            .get_or_create(&labels(&[("route", route)]))
+            .get_or_create(&RouteLabel { route })
             .observe(seconds);
     }
 
-    pub fn observe_phase(&self, phase: &str, seconds: f64) {
+    pub fn observe_phase(&self, phase: &'static str, seconds: f64) {
         self.select_phase
-            .get_or_create(&labels(&[("phase", phase)]))
+            .get_or_create(&PhaseLabel { phase })
             .observe(seconds);
     }
 

@@ -208,6 +208,15 @@ async fn select_and_reserve_and_inspection_routes() {
     let metrics = app.get("/metrics").await;
     assert!(metrics.text.contains("kvroute_http_requests_total"));
     assert!(metrics.text.contains("kvroute_rank_active_requests"));
+    // Requests are counted under their route template, method and status.
+    for line in [
+        r#"kvroute_http_requests_total{route="/select_and_reserve",method="POST",status="200"} 1"#,
+        r#"kvroute_http_requests_total{route="/workers",method="POST",status="201"} 2"#,
+        r#"kvroute_http_requests_total{route="/health",method="GET",status="200"} 1"#,
+        r#"kvroute_http_request_duration_seconds_count{route="/overlap_scores"} 1"#,
+    ] {
+        assert!(metrics.text.contains(line), "{line} in\n{}", metrics.text);
+    }
     let openapi = app.get("/openapi.json").await;
     assert_eq!(openapi.body["openapi"], "3.0.3");
     // Hash form with signed and unsigned hashes alike.

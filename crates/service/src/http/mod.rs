@@ -10,7 +10,7 @@ pub mod types;
 use crate::state::AppState;
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
-use axum::http::StatusCode;
+use axum::http::{Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
@@ -34,13 +34,71 @@ fn keys_match(given: &[u8], expected: &[u8]) -> bool {
             == 0
 }
 
+/// The route templates [`app`] serves; the metrics label requests with them.
+pub mod route {
+    pub const WORKERS: &str = "/workers";
+    pub const WORKER: &str = "/workers/{worker_id}";
+    pub const SELECT: &str = "/select";
+    pub const SELECT_AND_RESERVE: &str = "/select_and_reserve";
+    pub const RESERVATIONS: &str = "/reservations";
+    pub const PREFILL_COMPLETE: &str = "/reservations/{reservation_id}/prefill_complete";
+    pub const OUTPUT_BLOCK: &str = "/reservations/{reservation_id}/output_block";
+    pub const RESERVATION: &str = "/reservations/{reservation_id}";
+    pub const OVERLAP_SCORES: &str = "/overlap_scores";
+    pub const POTENTIAL_LOADS: &str = "/potential_loads";
+    pub const LOADS: &str = "/loads";
+    pub const READY: &str = "/ready";
+    pub const HEALTH: &str = "/health";
+    pub const DUMP: &str = "/dump";
+    pub const METRICS: &str = "/metrics";
+    pub const OPENAPI: &str = "/openapi.json";
+}
+
+/// Every route template, for the metrics labels.
+pub const ROUTES: [&str; 16] = [
+    route::WORKERS,
+    route::WORKER,
+    route::SELECT,
+    route::SELECT_AND_RESERVE,
+    route::RESERVATIONS,
+    route::PREFILL_COMPLETE,
+    route::OUTPUT_BLOCK,
+    route::RESERVATION,
+    route::OVERLAP_SCORES,
+    route::POTENTIAL_LOADS,
+    route::LOADS,
+    route::READY,
+    route::HEALTH,
+    route::DUMP,
+    route::METRICS,
+    route::OPENAPI,
+];
+
+/// The metrics label of a request's route: its template, or `unmatched`.
+fn route_label(matched: Option<&MatchedPath>) -> &'static str {
+    matched
+        .and_then(|path| ROUTES.iter().find(|route| **route == path.as_str()))
+        .copied()
+        .unwrap_or("unmatched")
+}
+
+fn method_label(method: &Method) -> &'static str {
+    match *method {
+        Method::GET => "GET",
+        Method::POST => "POST",
+        Method::PUT => "PUT",
+        Method::PATCH => "PATCH",
+        Method::DELETE => "DELETE",
+        Method::HEAD => "HEAD",
+        Method::OPTIONS => "OPTIONS",
+        _ => "other",
+    }
+}
+
 async fn guard(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     let start = Instant::now();
-    let route = req
-        .extensions()
-        .get::<MatchedPath>()
-        .map_or_else(|| "unmatched".to_string(), |p| p.as_str().to_string());
-    let method = req.method().to_string();
+    let route = route_label(req.extensions().get::<MatchedPath>());
+    let method = method_label(req.method());
     let open = is_open_route(req.uri().path());
     let response = if !open && state.is_shutting_down() {
         ApiError::new(
@@ -68,8 +126,8 @@ async fn guard(State(state): State<Arc<AppState>>, req: Request, next: Next) -> 
         next.run(req).await
     };
     state.metrics.observe_http(
-        &route,
-        &method,
+        route,
+        method,
         response.status().as_u16(),
         start.elapsed().as_secs_f64(),
     );
@@ -88,31 +146,22 @@ async fn method_not_allowed() -> Response {
 pub fn app(state: Arc<AppState>) -> Router {
     let body_limit = state.config.body_limit_bytes;
     Router::new()
-        .route("/workers", post(upsert_worker).get(list_workers))
-        .route(
-            "/workers/{worker_id}",
-            delete(delete_worker).patch(patch_worker),
-        )
-        .route("/select", post(select))
-        .route("/select_and_reserve", post(select_and_reserve))
-        .route("/reservations", post(create_reservation))
-        .route(
-            "/reservations/{reservation_id}/prefill_complete",
-            post(prefill_complete),
-        )
-        .route(
-            "/reservations/{reservation_id}/output_block",
-            post(output_block),
-        )
-        .route("/reservations/{reservation_id}", delete(free_reservation))
-        .route("/overlap_scores", post(overlap_scores))
-        .route("/potential_loads", post(potential_loads))
-        .route("/loads", get(loads))
-        .route("/ready", get(ready))
-        .route("/health", get(health))
-        .route("/dump", get(dump))
-        .route("/metrics", get(metrics))
-        .route("/openapi.json", get(openapi))
+        .route(route::WORKERS, post(upsert_worker).get(list_workers))
+        .route(route::WORKER, delete(delete_worker).patch(patch_worker))
+        .route(route::SELECT, post(select))
+        .route(route::SELECT_AND_RESERVE, post(select_and_reserve))
+        .route(route::RESERVATIONS, post(create_reservation))
+        .route(route::PREFILL_COMPLETE, post(prefill_complete))
+        .route(route::OUTPUT_BLOCK, post(output_block))
+        .route(route::RESERVATION, delete(free_reservation))
+        .route(route::OVERLAP_SCORES, post(overlap_scores))
+        .route(route::POTENTIAL_LOADS, post(potential_loads))
+        .route(route::LOADS, get(loads))
+        .route(route::READY, get(ready))
+        .route(route::HEALTH, get(health))
+        .route(route::DUMP, get(dump))
+        .route(route::METRICS, get(metrics))
+        .route(route::OPENAPI, get(openapi))
         .fallback(route_not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(Arc::clone(&state), guard))
