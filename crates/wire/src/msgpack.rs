@@ -620,14 +620,14 @@ fn token_word(token: u32) -> (u64, usize) {
     const MARKER: [u64; 4] = [0, 0xcc, 0xcd, 0xce];
     // Keeps the low 1, 2 or 4 bytes of the big-endian id.
     const PAYLOAD_SHIFT: [u32; 4] = [0, 24, 16, 0];
-    const WIDTH: [usize; 4] = [1, 2, 3, 5];
     let payload = u64::from(token.swap_bytes() >> PAYLOAD_SHIFT[class]);
     let word = if class == 0 {
         u64::from(token)
     } else {
         MARKER[class] | (payload << 8)
     };
-    (word, WIDTH[class])
+    // 1, 2, 3, 5 bytes, computed rather than looked up: the next id's position depends on it.
+    (word, class + 1 + usize::from(class == 3))
 }
 
 /// Appends msgpack values to a buffer.
