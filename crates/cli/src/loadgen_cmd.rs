@@ -8,7 +8,7 @@
 //! trace (hash ids expanded into token ids, 512 tokens per id) or a synthetic shared-prefix set.
 
 use clap::{Args, ValueEnum};
-use hashbrown::HashSet;
+use hashbrown::HashMap;
 use kvroute_core::hash::{BASE_SEED, PromptHashes};
 use kvroute_service::client::HttpClient;
 use kvroute_service::fake_engine::{FakeEngine, StoredBlocks};
@@ -166,49 +166,83 @@ fn synthetic_prompts(cap: usize) -> Vec<Vec<u32>> {
 /// right parent and evict like a full KV pool.
 struct Engine {
     engine: FakeEngine,
-    held: HashSet<u64>,
+    /// Held blocks, each with its position in the order of insertion.
+    held: HashMap<u64, u64>,
+    /// Held blocks, oldest first; evicting takes from the front.
     order: VecDeque<u64>,
+    /// Blocks inserted at positions below this have been evicted.
+    evicted: u64,
+    /// Position the next inserted block gets.
+    next_position: u64,
+    /// Per prompt (index), the oldest position among its blocks when it was last cached whole:
+    /// while nothing at or after it was evicted, the engine still holds the whole prompt, which
+    /// answers the common repeat without looking up each of its blocks.
+    cached_from: HashMap<usize, u64>,
     capacity: usize,
     block_size: u32,
 }
 
 impl Engine {
-    /// Caches a prompt whose block sequence hashes are `sequence` (the engine hashes too).
-    async fn cache_prompt(&mut self, tokens: &[u32], sequence: &[u64]) {
-        let have = sequence
-            .iter()
-            .take_while(|h| self.held.contains(*h))
-            .count();
-        if have == sequence.len() {
+    /// Whether the engine certainly holds every block of prompt `prompt` (false: look closer).
+    fn holds_prompt(&self, prompt: usize) -> bool {
+        self.cached_from
+            .get(&prompt)
+            .is_some_and(|&oldest| oldest >= self.evicted)
+    }
+
+    /// Caches a prompt whose block sequence hashes are `sequence` (the engine hashes too),
+    /// publishing the blocks it did not hold and the ones that makes it evict. `prompt` names a
+    /// prompt that may come again (remembered), `None` a one-off.
+    async fn cache_prompt(&mut self, prompt: Option<usize>, tokens: &[u32], sequence: &[u64]) {
+        if prompt.is_some_and(|p| self.holds_prompt(p)) {
             return;
         }
-        let parent = have.checked_sub(1).map(|i| sequence[i]);
-        let start = have * self.block_size as usize;
-        let end = sequence.len() * self.block_size as usize;
-        let blocks = StoredBlocks {
-            parent,
-            token_ids: &tokens[start..end],
-            block_size: self.block_size,
-            ..StoredBlocks::default()
-        };
-        for &h in &sequence[have..] {
-            if self.held.insert(h) {
-                self.order.push_back(h);
-            }
+        let mut oldest = u64::MAX;
+        let mut have = 0;
+        for h in sequence {
+            let Some(&position) = self.held.get(h) else {
+                break;
+            };
+            oldest = oldest.min(position);
+            have += 1;
         }
-        let mut evicted = Vec::new();
-        while self.order.len() > self.capacity {
-            if let Some(h) = self.order.pop_front() {
-                self.held.remove(&h);
-                evicted.push(h);
+        if have < sequence.len() {
+            let parent = have.checked_sub(1).map(|i| sequence[i]);
+            let start = have * self.block_size as usize;
+            let end = sequence.len() * self.block_size as usize;
+            let blocks = StoredBlocks {
+                parent,
+                token_ids: &tokens[start..end],
+                block_size: self.block_size,
+                ..StoredBlocks::default()
+            };
+            for &h in &sequence[have..] {
+                // A hash repeated inside the prompt, or held past a missing one, keeps its place.
+                let position = *self.held.entry(h).or_insert_with(|| {
+                    self.order.push_back(h);
+                    self.next_position += 1;
+                    self.next_position - 1
+                });
+                oldest = oldest.min(position);
             }
+            let mut evicted = Vec::new();
+            while self.order.len() > self.capacity {
+                if let Some(h) = self.order.pop_front() {
+                    self.held.remove(&h);
+                    self.evicted += 1;
+                    evicted.push(h);
+                }
+            }
+            // One message for the step's stores and evictions. (A failed publish, only seen at
+            // shutdown, leaves the books as if it had gone out.)
+            let _ = self
+                .engine
+                .publish_stored_hashed(&blocks, &sequence[have..], &evicted)
+                .await;
         }
-        // One message for the step's stores and evictions. (A failed publish, only seen at
-        // shutdown, leaves the books as if it had gone out.)
-        let _ = self
-            .engine
-            .publish_stored_hashed(&blocks, &sequence[have..], &evicted)
-            .await;
+        if let Some(prompt) = prompt {
+            self.cached_from.insert(prompt, oldest);
+        }
     }
 }
 
@@ -229,13 +263,38 @@ async fn start_engines(args: &LoadgenArgs) -> Result<Option<Engines>, String> {
             .map_err(|e| format!("fake engine for worker {id}: {e}"))?;
         engines.push(Mutex::new(Engine {
             engine,
-            held: HashSet::new(),
+            held: HashMap::new(),
             order: VecDeque::new(),
+            evicted: 0,
+            next_position: 0,
+            cached_from: HashMap::new(),
             capacity: args.engine_kv_blocks.max(1),
             block_size: args.block_size,
         }));
     }
     Ok(Some(Arc::new(engines)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::reply_worker_id;
+
+    #[test]
+    fn worker_id_is_read_from_either_servers_reply() {
+        assert_eq!(
+            reply_worker_id(br#"{"reservation_id":"a","worker_id":17,"dp_rank":0}"#),
+            Some(17)
+        );
+        assert_eq!(
+            reply_worker_id(br#"{"reservation_id": "a", "worker_id" : 9, "dp_rank": 0}"#),
+            Some(9)
+        );
+        assert_eq!(
+            reply_worker_id(br#"{"error":"reservation x not found"}"#),
+            None
+        );
+        assert_eq!(reply_worker_id(br#"{"worker_id":null}"#), None);
+    }
 }
 
 #[derive(Default)]
@@ -258,6 +317,19 @@ impl Samples {
         }
         self.transport_errors += other.transport_errors;
     }
+}
+
+/// The `worker_id` of a reservation reply, read without parsing the whole document (both
+/// servers put it at the top level and no string before it contains the key).
+fn reply_worker_id(reply: &[u8]) -> Option<u64> {
+    const KEY: &[u8] = b"\"worker_id\"";
+    let at = memchr::memmem::find(reply, KEY)? + KEY.len();
+    let rest = &reply[at..];
+    let rest = &rest[rest.iter().position(|b| !b.is_ascii_whitespace())?..];
+    let rest = rest.strip_prefix(b":")?;
+    let rest = &rest[rest.iter().position(|b| !b.is_ascii_whitespace())?..];
+    let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+    std::str::from_utf8(&rest[..digits]).ok()?.parse().ok()
 }
 
 fn percentile(sorted: &[u32], p: f64) -> u32 {
@@ -417,7 +489,7 @@ async fn run_async(
                     engines[i]
                         .lock()
                         .await
-                        .cache_prompt(&tokens, &sequence)
+                        .cache_prompt(None, &tokens, &sequence)
                         .await;
                     n += engines.len();
                     tokio::task::yield_now().await;
@@ -473,50 +545,60 @@ async fn run_async(
                 if mode == Mode::Cycle && status == Some(200) {
                     let reserve = format!("{{\"selection_id\":\"{id}\"}}");
                     let start_booking = Instant::now();
-                    let booked = match client
-                        .request("POST", "/reservations", Some(reserve.as_bytes()))
-                        .await
-                    {
-                        Ok((status, reply)) => {
-                            samples
-                                .routes
-                                .entry("reservations")
-                                .or_default()
-                                .push(start_booking.elapsed().as_micros().min(u32::MAX as u128)
-                                    as u32);
-                            *samples.statuses.entry(status).or_default() += 1;
-                            let worker = serde_json::from_slice::<serde_json::Value>(&reply)
-                                .ok()
-                                .and_then(|v| v["worker_id"].as_u64());
-                            // The engine that got the request now caches its prompt.
-                            if let (Some(engines), Some(w)) = (&engines, worker) {
-                                let engines = Arc::clone(engines);
-                                let prompts = Arc::clone(&prompts);
-                                let sequences = Arc::clone(&sequences);
-                                let at = (w as usize).wrapping_sub(1);
-                                // The engine publishes in the background, as a real one
-                                // does while it serves the request; a bounded backlog
-                                // makes the clients wait when the engines fall behind.
-                                if let Ok(permit) = Arc::clone(&backlog).acquire_owned().await {
-                                    engines_rt.spawn(async move {
-                                        if let Some(engine) = engines.get(at) {
-                                            engine
-                                                .lock()
-                                                .await
-                                                .cache_prompt(&prompts[index], &sequences[index])
-                                                .await;
-                                        }
-                                        drop(permit);
-                                    });
+                    let booked =
+                        match client
+                            .request("POST", "/reservations", Some(reserve.as_bytes()))
+                            .await
+                        {
+                            Ok((status, reply)) => {
+                                samples.routes.entry("reservations").or_default().push(
+                                    start_booking.elapsed().as_micros().min(u32::MAX as u128)
+                                        as u32,
+                                );
+                                *samples.statuses.entry(status).or_default() += 1;
+                                let worker = reply_worker_id(&reply);
+                                // The engine that got the request now caches its prompt.
+                                // An engine that holds the whole prompt has nothing to publish:
+                                // seen from here, without a round trip to the engines' thread.
+                                let held = |engines: &Engines, at: usize| {
+                                    engines.get(at).is_some_and(|e| {
+                                        e.try_lock().is_ok_and(|e| e.holds_prompt(index))
+                                    })
+                                };
+                                if let (Some(engines), Some(w)) = (&engines, worker)
+                                    && !held(engines, (w as usize).wrapping_sub(1))
+                                {
+                                    let engines = Arc::clone(engines);
+                                    let prompts = Arc::clone(&prompts);
+                                    let sequences = Arc::clone(&sequences);
+                                    let at = (w as usize).wrapping_sub(1);
+                                    // The engine publishes in the background, as a real one
+                                    // does while it serves the request; a bounded backlog
+                                    // makes the clients wait when the engines fall behind.
+                                    if let Ok(permit) = Arc::clone(&backlog).acquire_owned().await {
+                                        engines_rt.spawn(async move {
+                                            if let Some(engine) = engines.get(at) {
+                                                engine
+                                                    .lock()
+                                                    .await
+                                                    .cache_prompt(
+                                                        Some(index),
+                                                        &prompts[index],
+                                                        &sequences[index],
+                                                    )
+                                                    .await;
+                                            }
+                                            drop(permit);
+                                        });
+                                    }
                                 }
+                                Some(status)
                             }
-                            Some(status)
-                        }
-                        Err(_) => {
-                            samples.transport_errors += 1;
-                            None
-                        }
-                    };
+                            Err(_) => {
+                                samples.transport_errors += 1;
+                                None
+                            }
+                        };
                     if booked == Some(201) {
                         let prefill = format!("/reservations/{id}/prefill_complete");
                         timed(

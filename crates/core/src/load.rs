@@ -719,34 +719,36 @@ impl RankTable {
         }
     }
 
-    /// Drops one reference to `hash` on the rank; the last one unlinks it from `holders`.
+    /// Drops one reference to `hash` on the rank; the last one unlinks it from `holders`. One
+    /// lookup in each map (entries, not get-then-remove).
     fn remove_block(&mut self, slot: usize, hash: u64) {
         let Some(Some(state)) = self.slots.get_mut(slot) else {
             return;
         };
-        let Some(held) = state.blocks.get_mut(&hash) else {
+        let Entry::Occupied(mut held) = state.blocks.entry(hash) else {
             return;
         };
-        held.refcount = held.refcount.saturating_sub(1);
-        if held.refcount > 0 {
+        let block = held.get_mut();
+        block.refcount = block.refcount.saturating_sub(1);
+        if block.refcount > 0 {
             return;
         }
-        let index = held.holder_index;
-        state.blocks.remove(&hash);
-        let Some(holders) = self.holders.get_mut(&hash) else {
+        let index = held.remove().holder_index;
+        let Entry::Occupied(mut holders) = self.holders.entry(hash) else {
             return;
         };
-        if index < holders.len() {
-            holders.swap_remove(index);
+        let list = holders.get_mut();
+        if index < list.len() {
+            list.swap_remove(index);
         }
-        if let Some(&moved) = holders.get(index)
+        if let Some(&moved) = list.get(index)
             && let Some(Some(other)) = self.slots.get_mut(moved)
             && let Some(moved_block) = other.blocks.get_mut(&hash)
         {
             moved_block.holder_index = index;
         }
-        if holders.is_empty() {
-            self.holders.remove(&hash);
+        if list.is_empty() {
+            holders.remove();
         }
     }
 
