@@ -5,18 +5,27 @@
 //! - a worker catalog (`worker_id` → spec, lifecycle, partition);
 //! - per partition `(model_name, routing_group)`: the radix index of engine-reported blocks and the
 //!   set of its workers; a partition disappears with its last worker (bounded state);
-//! - one [`LoadTracker`] for the whole service (reservation ids are unique service-wide);
-//! - the pending-selection cache (SPEC §8), behind its own mutex so `select` takes `&self`.
+//! - one [`LoadTracker`] for the whole service (reservation ids are unique service-wide), the LRU
+//!   cache model and the pending-selection cache (SPEC §8), each behind a mutex of its own.
 //!
 //! ## Lock discipline
 //! The selector is plain data. An edge that serves concurrent requests wraps it in one
-//! `RwLock`: `select`, `overlap_scores`, `potential_loads`, `loads` and the other queries take the
-//! read lock (they run in parallel; `select` only touches the pending cache's own short mutex),
-//! while bookings, lifecycle calls, worker changes and KV events take the write lock. Prompts are
-//! hashed by the edge before it takes any lock ([`Prompt::Hashes`]), so the critical sections are
-//! the index lookup, the scoring and the booking. Two concurrent replays of one selection are
-//! serialised by the write lock, and the replay removes the entry in the same critical section as
-//! the booking, so they book at most once.
+//! `RwLock`. The read lock serves the queries (`select`, `overlap_scores`, `potential_loads`,
+//! `loads`, …) *and* the hot lifecycle calls in their `*_shared` forms
+//! ([`Selector::create_reservation_shared`], [`Selector::prefill_complete_shared`],
+//! [`Selector::output_block_shared`], [`Selector::free_shared`]): those only change the load
+//! tracker, the LRU model's clocks and the pending cache, each under its own short mutex, so a
+//! booking neither waits for a selection's index walk nor for another booking's. A call that
+//! would change an approximate cache model's blocks (a rank without KV events) answers
+//! [`Shared::Exclusive`] before changing anything, and the edge repeats it with the exclusive
+//! (`&mut self`) method under the write lock, which also serves worker changes and KV events.
+//!
+//! Inner mutexes are taken in one order — load tracker, LRU model, pending cache — and never
+//! while waiting for the selector's lock. Prompts are hashed by the edge before it takes any
+//! lock ([`Prompt::Hashes`]), so the critical sections are the index lookup, the scoring and the
+//! booking. A replay peeks, books and removes its pending entry while holding the load tracker's
+//! mutex (exclusively, or through `&mut self`), so two concurrent replays of one selection book
+//! at most once and the second one finds no entry.
 
 use crate::approx::{
     ApproxError, CachePolicy, LruConfig, LruModel, LruStats, RankModel, TtlConfig, TtlModel,
@@ -433,15 +442,27 @@ struct Partition {
     ttl: TtlModel,
 }
 
+/// A replay checked and ready to book ([`Selector::plan_replay`]).
+struct ReplayPlan {
+    booking: Booking,
+    reservation: Reservation,
+    /// The rank's cache is modelled (no KV events): booking it changes the model too.
+    modelled: bool,
+    rank: Rank,
+    key: PendingKey,
+    generation: u64,
+    entry: Arc<PendingSelection>,
+}
+
 /// The selector. See the module documentation.
 #[derive(Debug)]
 pub struct Selector {
     config: SelectorConfig,
     /// Predicted caches of LRU-modelled ranks (service-wide, like reservation ids).
-    lru: LruModel,
+    lru: Mutex<LruModel>,
     workers: HashMap<WorkerId, WorkerRecord>,
     partitions: BTreeMap<PartitionKey, Partition>,
-    load: LoadTracker,
+    load: Mutex<LoadTracker>,
     pending: Mutex<PendingCache<PendingSelection>>,
     shutting_down: bool,
 }
@@ -450,6 +471,29 @@ impl Default for Selector {
     fn default() -> Self {
         Self::new(SelectorConfig::default())
     }
+}
+
+/// Locks one of the selector's inner mutexes. A panic while one was held cannot leave its
+/// state inconsistent in a way that matters more than refusing service, so a poisoned lock is
+/// simply taken over.
+fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// An inner mutex's state through `&mut self` (no locking needed).
+fn exclusive<T>(mutex: &mut Mutex<T>) -> &mut T {
+    mutex.get_mut().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The outcome of a lifecycle call made under the shared (read) lock.
+#[derive(Debug, Clone, PartialEq)]
+#[must_use]
+pub enum Shared<T> {
+    /// Done, exactly as the exclusive method would have done it.
+    Done(T),
+    /// The call would change an approximate cache model's blocks: nothing was changed; make it
+    /// again with the exclusive method under the write lock.
+    Exclusive,
 }
 
 /// Checks a ZMQ address: `tcp://host:port`, `ipc://path` or `inproc://name`.
@@ -504,12 +548,12 @@ impl Selector {
     pub fn new(config: SelectorConfig) -> Self {
         Self {
             config,
-            lru: LruModel::new(LruConfig {
+            lru: Mutex::new(LruModel::new(LruConfig {
                 scan_interval: config.active_request_expiry,
-            }),
+            })),
             workers: HashMap::new(),
             partitions: BTreeMap::new(),
-            load: LoadTracker::new(),
+            load: Mutex::new(LoadTracker::new()),
             pending: Mutex::new(PendingCache::new(config.pending)),
             shutting_down: false,
         }
@@ -519,14 +563,13 @@ impl Selector {
         &self.config
     }
 
-    pub fn load_tracker(&self) -> &LoadTracker {
-        &self.load
+    /// The load tracker (held locked while the guard lives).
+    pub fn load_tracker(&self) -> MutexGuard<'_, LoadTracker> {
+        locked(&self.load)
     }
 
     fn pending(&self) -> MutexGuard<'_, PendingCache<PendingSelection>> {
-        // A panic while holding this lock cannot leave the cache inconsistent in a way that
-        // matters more than refusing service, so a poisoned lock is simply taken over.
-        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+        locked(&self.pending)
     }
 
     /// Entries and approximate bytes of the pending-selection cache.
@@ -707,13 +750,12 @@ impl Selector {
     }
 
     fn detach_from_partition(&mut self, partition: &PartitionKey, worker_id: WorkerId) {
-        let ranks: Vec<Rank> = self
-            .lru
+        let ranks: Vec<Rank> = exclusive(&mut self.lru)
             .ranks()
             .filter(|r| r.worker_id == worker_id)
             .collect();
         for rank in ranks {
-            self.lru.remove_rank(rank);
+            exclusive(&mut self.lru).remove_rank(rank);
         }
         if let Some(p) = self.partitions.get_mut(partition) {
             for rank in p
@@ -766,9 +808,9 @@ impl Selector {
             match model {
                 Some(RankModel::Lru { capacity_blocks }) => {
                     let reset = if events_changed && !kind_changed {
-                        self.lru.reset_rank(rank, capacity_blocks)
+                        exclusive(&mut self.lru).reset_rank(rank, capacity_blocks)
                     } else {
-                        self.lru.set_rank(rank, capacity_blocks)
+                        exclusive(&mut self.lru).set_rank(rank, capacity_blocks)
                     };
                     if let Ok(reset) = reset {
                         events.extend(reset.events);
@@ -778,10 +820,10 @@ impl Selector {
                     }
                 }
                 Some(RankModel::Ttl) => {
-                    self.lru.remove_rank(rank);
+                    exclusive(&mut self.lru).remove_rank(rank);
                 }
                 None => {
-                    self.lru.remove_rank(rank);
+                    exclusive(&mut self.lru).remove_rank(rank);
                     if let Some(p) = self.partitions.get_mut(&partition) {
                         p.ttl.remove_rank(rank);
                     }
@@ -821,7 +863,7 @@ impl Selector {
         let block_size = u64::from(record.spec.block_size.unwrap_or(1).max(1));
         let partial = !isl_tokens.is_multiple_of(block_size);
         if let RankModel::Lru { .. } = model {
-            let mut attempt = self.lru.acquire(
+            let mut attempt = exclusive(&mut self.lru).acquire(
                 rank,
                 reservation_id,
                 local_hashes,
@@ -831,7 +873,7 @@ impl Selector {
             );
             if let Err(ApproxError::LeaseExists { .. }) = attempt {
                 // A lease outlived its booking (the id was freed and booked again): start over.
-                if let Some(released) = self.lru.release(reservation_id) {
+                if let Some(released) = exclusive(&mut self.lru).release(reservation_id) {
                     let lease_partition = self
                         .workers
                         .get(&released.rank.worker_id)
@@ -840,7 +882,7 @@ impl Selector {
                         self.apply_model_events(&lp, released.rank, &released.events);
                     }
                 }
-                attempt = self.lru.acquire(
+                attempt = exclusive(&mut self.lru).acquire(
                     rank,
                     reservation_id,
                     local_hashes,
@@ -869,7 +911,7 @@ impl Selector {
 
     /// Ends a request's lease in the LRU model (free, expiry, worker deletion).
     fn release_lease(&mut self, reservation_id: &str) {
-        if let Some(released) = self.lru.release(reservation_id) {
+        if let Some(released) = exclusive(&mut self.lru).release(reservation_id) {
             let partition = self
                 .workers
                 .get(&released.rank.worker_id)
@@ -898,7 +940,7 @@ impl Selector {
         let record = self.workers.get(&rank.worker_id)?;
         Some(match self.model_of(record) {
             None => CacheModelReport::Events,
-            Some(_) => match self.lru.stats(rank) {
+            Some(_) => match locked(&self.lru).stats(rank) {
                 Some(stats) => CacheModelReport::Lru(stats),
                 None => CacheModelReport::Ttl {
                     blocks: self
@@ -912,7 +954,7 @@ impl Selector {
 
     /// Model-wide counters of the LRU model (for metrics).
     pub fn lru_counters(&self) -> crate::approx::LruCounters {
-        self.lru.counters()
+        locked(&self.lru).counters()
     }
 
     /// Deletes a worker: frees its bookings (their ids may be booked again), drops its blocks and
@@ -922,9 +964,9 @@ impl Selector {
         let Some(mut record) = self.workers.remove(&worker_id) else {
             return Err(Error::WorkerNotFound { worker_id });
         };
-        let freed = self.load.free_worker(worker_id);
+        let freed = exclusive(&mut self.load).free_worker(worker_id);
         for booking in &freed {
-            self.lru.release(&*booking.reservation_id);
+            exclusive(&mut self.lru).release(&*booking.reservation_id);
         }
         self.detach_from_partition(&record.spec.partition(), worker_id);
         record.lifecycle = Lifecycle::Unschedulable;
@@ -1058,25 +1100,24 @@ impl Selector {
         hashes: &PromptHashes,
         block_size: u32,
     ) -> Vec<(Candidate, &'w WorkerRecord)> {
-        let potential = self
-            .load
-            .potential_decode(&hashes.sequence, hashes.isl_tokens, block_size);
+        let load = locked(&self.load);
+        let potential = load.potential_decode(&hashes.sequence, hashes.isl_tokens, block_size);
         let mut out = Vec::new();
         for &record in workers {
             for dp_rank in record.spec.dp_ranks() {
                 let rank = Rank::new(record.spec.worker_id, dp_rank);
                 let overlap = overlaps.get(&rank);
-                let load = self.load.rank_load(rank);
+                let rank_load = load.rank_load(rank);
                 out.push((
                     Candidate {
                         rank,
                         device_blocks: overlap.map_or(0, |o| o.device_blocks),
                         host_blocks: overlap.map_or(0, |o| o.host_blocks),
                         disk_blocks: overlap.map_or(0, |o| o.disk_blocks),
-                        active_prefill_tokens: load.active_prefill_tokens,
-                        active_decode_blocks: load.active_decode_blocks,
+                        active_prefill_tokens: rank_load.active_prefill_tokens,
+                        active_decode_blocks: rank_load.active_decode_blocks,
                         potential_decode_blocks: potential.blocks(rank),
-                        active_requests: load.active_requests,
+                        active_requests: rank_load.active_requests,
                         total_kv_blocks: record.spec.total_kv_blocks,
                         max_num_batched_tokens: record.spec.max_num_batched_tokens,
                     },
@@ -1255,7 +1296,7 @@ impl Selector {
             .or(req.selection_id)
             .map(str::to_string)
             .unwrap_or_else(|| random_uuid(rng));
-        self.load.book(
+        exclusive(&mut self.load).book(
             Booking {
                 reservation_id: id.clone(),
                 rank: Rank::new(selection.worker_id, selection.dp_rank),
@@ -1337,12 +1378,16 @@ impl Selector {
         }
     }
 
-    fn book_replay(
-        &mut self,
+    /// Everything a replay books, checked but not yet booked: the pending entry (peeked), the
+    /// worker and rank, and whether that rank's cache is modelled. Call it while holding the
+    /// load tracker's mutex and book under the same hold, so that two replays of one selection
+    /// book at most once.
+    fn plan_replay(
+        &self,
         req: &ReservationRequest<'_>,
         selection_id: &str,
         now: Instant,
-    ) -> Result<Reservation, Error> {
+    ) -> Result<ReplayPlan, Error> {
         let key = PendingKey::new(
             &req.partition.model_name,
             &req.partition.routing_group,
@@ -1357,39 +1402,88 @@ impl Selector {
         self.schedulable_workers(req.partition)?;
         let (record, dp_rank) =
             self.schedulable_rank(req.partition, entry.worker_id, Some(entry.dp_rank))?;
-        let endpoint = record.spec.endpoint.clone().unwrap_or_default();
-        let block_size = record.spec.block_size.unwrap_or(1);
         let reservation_id = req.reservation_id.unwrap_or(selection_id).to_string();
-        self.load.book(
-            Booking {
+        let rank = Rank::new(entry.worker_id, dp_rank);
+        Ok(ReplayPlan {
+            booking: Booking {
                 reservation_id: reservation_id.clone(),
-                rank: Rank::new(entry.worker_id, dp_rank),
-                block_size,
+                rank,
+                block_size: record.spec.block_size.unwrap_or(1),
                 sequence_hashes: Arc::clone(&entry.sequence_hashes),
                 isl_tokens: entry.isl_tokens,
                 effective_prefill_tokens: entry.effective_prefill_tokens,
                 expected_output_tokens: entry.expected_output_tokens,
                 track_prefill_tokens: entry.track_prefill_tokens,
             },
-            now,
-        )?;
-        self.pending().remove(&key, generation);
+            reservation: Reservation {
+                reservation_id,
+                selection_id: Some(selection_id.to_string()),
+                partition: req.partition.clone(),
+                worker_id: entry.worker_id,
+                dp_rank,
+                endpoint: record.spec.endpoint.clone().unwrap_or_default(),
+            },
+            modelled: self.model_of(record).is_some(),
+            rank,
+            key,
+            generation,
+            entry,
+        })
+    }
+
+    fn book_replay(
+        &mut self,
+        req: &ReservationRequest<'_>,
+        selection_id: &str,
+        now: Instant,
+    ) -> Result<Reservation, Error> {
+        let plan = {
+            let mut load = locked(&self.load);
+            let plan = self.plan_replay(req, selection_id, now)?;
+            load.book(plan.booking.clone(), now)?;
+            self.pending().remove(&plan.key, plan.generation);
+            plan
+        };
         self.model_booking(
-            &reservation_id,
-            Rank::new(entry.worker_id, dp_rank),
-            &entry.local_hashes,
-            &entry.sequence_hashes,
-            entry.isl_tokens,
+            &plan.reservation.reservation_id,
+            plan.rank,
+            &plan.entry.local_hashes,
+            &plan.entry.sequence_hashes,
+            plan.entry.isl_tokens,
             now,
         );
-        Ok(Reservation {
-            reservation_id,
-            selection_id: Some(selection_id.to_string()),
-            partition: req.partition.clone(),
-            worker_id: entry.worker_id,
-            dp_rank,
-            endpoint,
-        })
+        Ok(plan.reservation)
+    }
+
+    /// [`Self::create_reservation`] under the shared lock: a replay onto a rank whose cache is
+    /// known from KV events books here; the explicit form and a replay onto a modelled rank
+    /// answer [`Shared::Exclusive`] having changed nothing (the explicit form discards the
+    /// cached selection, which the exclusive call does again first).
+    pub fn create_reservation_shared(
+        &self,
+        req: &ReservationRequest<'_>,
+        now: Instant,
+    ) -> Result<Shared<Reservation>, Error> {
+        self.check_running()?;
+        for (field, value) in [
+            ("selection_id", req.selection_id),
+            ("reservation_id", req.reservation_id),
+        ] {
+            if let Some(v) = value {
+                sync::check_booking_id(field, v)?;
+            }
+        }
+        let (None, Some(selection_id)) = (req.worker_id, req.selection_id) else {
+            return Ok(Shared::Exclusive);
+        };
+        let mut load = locked(&self.load);
+        let plan = self.plan_replay(req, selection_id, now)?;
+        if plan.modelled {
+            return Ok(Shared::Exclusive);
+        }
+        load.book(plan.booking, now)?;
+        self.pending().remove(&plan.key, plan.generation);
+        Ok(Shared::Done(plan.reservation))
     }
 
     fn book_explicit(
@@ -1450,7 +1544,7 @@ impl Selector {
                 .track_prefill_tokens
                 .unwrap_or(config.track_prefill_tokens),
         };
-        self.load.book(booking, now)?;
+        exclusive(&mut self.load).book(booking, now)?;
         self.model_booking(
             name,
             Rank::new(worker_id, dp_rank),
@@ -1472,8 +1566,8 @@ impl Selector {
     pub fn prefill_complete(&mut self, reservation_id: &str, now: Instant) -> Result<(), Error> {
         self.check_running()?;
         sync::check_booking_id("reservation_id", reservation_id)?;
-        self.load.prefill_complete(reservation_id, now)?;
-        self.lru.touch(reservation_id, now);
+        exclusive(&mut self.load).prefill_complete(reservation_id, now)?;
+        exclusive(&mut self.lru).touch(reservation_id, now);
         Ok(())
     }
 
@@ -1485,9 +1579,8 @@ impl Selector {
     ) -> Result<(), Error> {
         self.check_running()?;
         sync::check_booking_id("reservation_id", reservation_id)?;
-        self.load
-            .output_block(reservation_id, decay_fraction, now)?;
-        if let Some(lease) = self.lru.materialize(reservation_id, now) {
+        exclusive(&mut self.load).output_block(reservation_id, decay_fraction, now)?;
+        if let Some(lease) = exclusive(&mut self.lru).materialize(reservation_id, now) {
             let partition = self
                 .workers
                 .get(&lease.rank.worker_id)
@@ -1502,15 +1595,66 @@ impl Selector {
     pub fn free(&mut self, reservation_id: &str) -> Result<(), Error> {
         self.check_running()?;
         sync::check_booking_id("reservation_id", reservation_id)?;
-        self.load.free(reservation_id)?;
+        exclusive(&mut self.load).free(reservation_id)?;
         self.release_lease(reservation_id);
         Ok(())
+    }
+
+    /// [`Self::prefill_complete`] under the shared lock (it changes no model's blocks).
+    pub fn prefill_complete_shared(
+        &self,
+        reservation_id: &str,
+        now: Instant,
+    ) -> Result<Shared<()>, Error> {
+        self.check_running()?;
+        sync::check_booking_id("reservation_id", reservation_id)?;
+        let mut load = locked(&self.load);
+        load.prefill_complete(reservation_id, now)?;
+        locked(&self.lru).touch(reservation_id, now);
+        Ok(Shared::Done(()))
+    }
+
+    /// [`Self::output_block`] under the shared lock; [`Shared::Exclusive`] for a booking the LRU
+    /// model holds a lease for (its output block takes a slot in the modelled cache).
+    pub fn output_block_shared(
+        &self,
+        reservation_id: &str,
+        decay_fraction: Option<f64>,
+        now: Instant,
+    ) -> Result<Shared<()>, Error> {
+        self.check_running()?;
+        sync::check_booking_id("reservation_id", reservation_id)?;
+        let mut load = locked(&self.load);
+        let mut lru = locked(&self.lru);
+        if lru.lease(reservation_id).is_some() {
+            return Ok(Shared::Exclusive);
+        }
+        load.output_block(reservation_id, decay_fraction, now)?;
+        // No lease: counted as an ignored command, as the exclusive call does.
+        let _ = lru.materialize(reservation_id, now);
+        Ok(Shared::Done(()))
+    }
+
+    /// [`Self::free`] under the shared lock; [`Shared::Exclusive`] for a booking the LRU model
+    /// holds a lease for (its release evicts modelled blocks).
+    pub fn free_shared(&self, reservation_id: &str) -> Result<Shared<()>, Error> {
+        self.check_running()?;
+        sync::check_booking_id("reservation_id", reservation_id)?;
+        let mut load = locked(&self.load);
+        let mut lru = locked(&self.lru);
+        if lru.lease(reservation_id).is_some() {
+            return Ok(Shared::Exclusive);
+        }
+        load.free(reservation_id)?;
+        // No lease: counted as an ignored command, as the exclusive call does.
+        let _ = lru.release(reservation_id);
+        Ok(Shared::Done(()))
     }
 
     /// Periodic housekeeping: frees bookings idle for `active_request_expiry`, purges expired
     /// cached selections.
     pub fn tick(&mut self, now: Instant) -> TickOutcome {
-        let expired = self.load.expire(now, self.config.active_request_expiry);
+        let expired = exclusive(&mut self.load).expire(now, self.config.active_request_expiry);
         for booking in &expired {
             self.release_lease(&booking.reservation_id);
         }
@@ -1519,7 +1663,7 @@ impl Selector {
             ttl_events.extend(p.ttl.expire(now).events);
         }
         self.apply_ranked_events(&ttl_events);
-        let reaped = self.lru.reap(now);
+        let reaped = exclusive(&mut self.lru).reap(now);
         self.apply_ranked_events(&reaped.events);
         let expired_selections = self.pending().purge_expired(now);
         TickOutcome {
@@ -1539,7 +1683,7 @@ impl Selector {
             active_prefill_tokens,
             active_decode_blocks,
             active_requests,
-        } = self.load.rank_load(rank);
+        } = locked(&self.load).rank_load(rank);
         RankLoadReport {
             worker_id: rank.worker_id,
             dp_rank: rank.dp_rank,

@@ -8,7 +8,7 @@ use crate::state::AppState;
 use kvroute_core::error::{Error, PartitionKey, check_id};
 use kvroute_core::event::{KvEvent, Tier};
 use kvroute_core::hash::{PromptHashes, seed_for};
-use kvroute_core::selector::{Prompt, ReservationRequest, SelectRequest, Selector};
+use kvroute_core::selector::{Prompt, ReservationRequest, SelectRequest, Selector, Shared};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -221,10 +221,19 @@ pub fn create_reservation(state: &AppState, mut body: ReservationBody) -> ApiRes
         track_prefill_tokens: body.track_prefill_tokens,
         overrides,
     };
-    let reservation = state
+    // A replay onto a rank with KV events books under the read lock (the load tracker has its
+    // own mutex); anything else takes the write lock.
+    let shared = state
         .selector
-        .write()
-        .create_reservation(&req, Instant::now())?;
+        .read()
+        .create_reservation_shared(&req, Instant::now())?;
+    let reservation = match shared {
+        Shared::Done(reservation) => reservation,
+        Shared::Exclusive => state
+            .selector
+            .write()
+            .create_reservation(&req, Instant::now())?,
+    };
     state.sync.booking_changed(&reservation.reservation_id);
     Ok(reservation_json(&reservation))
 }
@@ -236,27 +245,45 @@ fn reservation_id(raw: &str) -> Result<&str, ApiError> {
 
 /// `POST /reservations/{id}/prefill_complete`.
 pub fn prefill_complete(state: &AppState, id: &str) -> ApiResult {
-    state
+    let id = reservation_id(id)?;
+    let shared = state
         .selector
-        .write()
-        .prefill_complete(reservation_id(id)?, Instant::now())?;
+        .read()
+        .prefill_complete_shared(id, Instant::now())?;
+    if shared == Shared::Exclusive {
+        state
+            .selector
+            .write()
+            .prefill_complete(id, Instant::now())?;
+    }
     state.sync.booking_changed(id);
     Ok(ok_status())
 }
 
 /// `POST /reservations/{id}/output_block`.
 pub fn output_block(state: &AppState, id: &str, decay_fraction: Option<f64>) -> ApiResult {
-    state
+    let id = reservation_id(id)?;
+    let shared = state
         .selector
-        .write()
-        .output_block(reservation_id(id)?, decay_fraction, Instant::now())?;
+        .read()
+        .output_block_shared(id, decay_fraction, Instant::now())?;
+    if shared == Shared::Exclusive {
+        state
+            .selector
+            .write()
+            .output_block(id, decay_fraction, Instant::now())?;
+    }
     state.sync.output_block(id);
     Ok(ok_status())
 }
 
 /// `DELETE /reservations/{id}`.
 pub fn free_reservation(state: &AppState, id: &str) -> ApiResult {
-    state.selector.write().free(reservation_id(id)?)?;
+    let id = reservation_id(id)?;
+    let shared = state.selector.read().free_shared(id)?;
+    if shared == Shared::Exclusive {
+        state.selector.write().free(id)?;
+    }
     state.sync.booking_changed(id);
     Ok(ok_status())
 }

@@ -20,7 +20,7 @@
 //! - A booking naming a worker or rank this replica does not know (or not as schedulable) is
 //!   refused with [`SyncApplyError::UnknownRank`]; the edge counts and drops it.
 
-use super::{Lifecycle, Selector};
+use super::{Lifecycle, Selector, exclusive, locked};
 use crate::error::{Error, check_id};
 use crate::event::{Rank, WorkerId};
 use crate::load::{Booking, BookingView, LoadError};
@@ -138,14 +138,14 @@ impl Selector {
         if reservation_id.starts_with(REMOTE_MARK) {
             return None;
         }
-        self.load
+        locked(&self.load)
             .booking(reservation_id)
             .map(SyncedBooking::from_view)
     }
 
     /// Every live booking of this replica (not the remote ones), in no particular order. O(n).
     pub fn local_bookings(&self) -> Vec<(Arc<str>, SyncedBooking)> {
-        self.load
+        locked(&self.load)
             .iter()
             .filter(|(id, _)| !id.starts_with(REMOTE_MARK))
             .map(|(id, view)| (Arc::clone(id), SyncedBooking::from_view(view)))
@@ -154,7 +154,7 @@ impl Selector {
 
     /// Live bookings of other replicas: `(replica, reservation id)`. O(n).
     pub fn remote_bookings(&self) -> Vec<(String, String)> {
-        self.load
+        locked(&self.load)
             .iter()
             .filter_map(|(id, _)| split_remote_key(id))
             .map(|(replica, id)| (replica.to_string(), id.to_string()))
@@ -187,14 +187,14 @@ impl Selector {
             BookingOwner::Remote(replica) => remote_key(replica, reservation_id),
         };
         let mut outcome = SyncApplyOutcome::Unchanged;
-        match self.load.booking(&key) {
+        match exclusive(&mut self.load).booking(&key) {
             Some(view) if state.same_booking(view) => {}
             existing => {
                 if existing.is_some() {
                     // The same id now names another booking (freed and booked again meanwhile).
-                    self.load.free(&key)?;
+                    exclusive(&mut self.load).free(&key)?;
                 }
-                self.load.book(
+                exclusive(&mut self.load).book(
                     Booking {
                         reservation_id: key.clone(),
                         rank: state.rank(),
@@ -210,18 +210,19 @@ impl Selector {
                 outcome = SyncApplyOutcome::Booked;
             }
         }
-        let prefill_pending = self
-            .load
+        let prefill_pending = exclusive(&mut self.load)
             .booking(&key)
             .is_some_and(|view| !view.prefill_complete);
         if state.prefill_complete && prefill_pending {
-            self.load.prefill_complete(&key, now)?;
+            exclusive(&mut self.load).prefill_complete(&key, now)?;
             outcome = outcome.max_with(SyncApplyOutcome::Updated);
         }
-        if self
-            .load
-            .set_output_state(&key, state.output_blocks, state.decode_blocks, now)?
-        {
+        if exclusive(&mut self.load).set_output_state(
+            &key,
+            state.output_blocks,
+            state.decode_blocks,
+            now,
+        )? {
             outcome = outcome.max_with(SyncApplyOutcome::Updated);
         }
         Ok(outcome)
@@ -229,19 +230,22 @@ impl Selector {
 
     /// Removes another replica's booking (it was freed there). False when it was not live here.
     pub fn remove_remote_booking(&mut self, replica: &str, reservation_id: &str) -> bool {
-        self.load.free(&remote_key(replica, reservation_id)).is_ok()
+        exclusive(&mut self.load)
+            .free(&remote_key(replica, reservation_id))
+            .is_ok()
     }
 
     /// Removes every remote booking for which `keep(replica, reservation id)` is false (a
     /// replica's snapshot replaces what this replica knew of it). Returns how many went. O(n).
     pub fn retain_remote_bookings(&mut self, keep: impl Fn(&str, &str) -> bool) -> usize {
-        let gone: Vec<Arc<str>> = self
-            .load
+        let gone: Vec<Arc<str>> = exclusive(&mut self.load)
             .iter()
             .filter(|(id, _)| split_remote_key(id).is_some_and(|(r, i)| !keep(r, i)))
             .map(|(id, _)| Arc::clone(id))
             .collect();
-        gone.iter().filter(|id| self.load.free(id).is_ok()).count()
+        gone.iter()
+            .filter(|id| exclusive(&mut self.load).free(id).is_ok())
+            .count()
     }
 }
 
@@ -303,7 +307,7 @@ mod tests {
     }
 
     fn load_of(selector: &Selector, worker_id: WorkerId) -> crate::load::RankLoad {
-        selector.load.rank_load(Rank::new(worker_id, 0))
+        selector.load_tracker().rank_load(Rank::new(worker_id, 0))
     }
 
     #[test]
@@ -401,7 +405,7 @@ mod tests {
         let mut bad_rank = state(1);
         bad_rank.dp_rank = 3;
         assert!(s.apply_synced_booking(owner, "a", &bad_rank, now).is_err());
-        assert!(s.load.is_empty());
+        assert!(s.load_tracker().is_empty());
     }
 
     #[test]
@@ -451,6 +455,6 @@ mod tests {
         assert_eq!(s.synced_booking("mine"), Some(state(1)));
         s.prefill_complete("mine", now).unwrap();
         s.free("mine").unwrap();
-        assert!(s.load.is_empty());
+        assert!(s.load_tracker().is_empty());
     }
 }

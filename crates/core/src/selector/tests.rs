@@ -154,7 +154,7 @@ fn replay_books_the_cached_selection_and_consumes_it() {
     let r = s.create_reservation(&req, now).unwrap();
     assert_eq!((r.worker_id, r.dp_rank), (sel.worker_id, sel.dp_rank));
     assert_eq!(r.reservation_id, "s1");
-    let booking = s.load_tracker().booking("s1").expect("booked");
+    let booking = s.load_tracker().booking("s1").cloned().expect("booked");
     assert_eq!(booking.isl_tokens, 17);
     assert_eq!(
         booking.effective_prefill_tokens,
@@ -255,7 +255,7 @@ fn explicit_form_wins_and_discards_the_cached_selection() {
     let r = s.create_reservation(&req, now).unwrap();
     assert_eq!(r.worker_id, 2);
     assert_eq!(s.pending_stats().0, 0, "the cached selection is gone");
-    let b = s.load_tracker().booking("s").unwrap();
+    let b = s.load_tracker().booking("s").cloned().unwrap();
     assert_eq!((b.isl_tokens, b.effective_prefill_tokens), (12, 12));
     // Discarded even when the explicit booking then fails.
     s.select(&select_req(&p, &tokens(9), Some("t")), now, &mut rng())
@@ -958,4 +958,218 @@ fn workers_publishing_events_are_not_modelled_unless_events_are_off() {
         4,
         "--no-kv-events models every rank"
     );
+}
+
+/// A selector whose workers publish KV events (so the shared lifecycle paths apply).
+fn event_selector(workers: &[WorkerId]) -> Selector {
+    let mut s = Selector::default();
+    for &w in workers {
+        s.upsert_worker(WorkerSpec {
+            kv_events_endpoint: Some(format!("tcp://127.0.0.1:{}", 5000 + w)),
+            ..spec(w)
+        })
+        .expect("upsert");
+    }
+    s
+}
+
+/// Every live booking as `(id, view)` and the load of every rank, sorted.
+type LoadState = (
+    Vec<(String, crate::load::BookingView)>,
+    Vec<(Rank, RankLoad)>,
+);
+
+fn load_state(s: &Selector) -> LoadState {
+    let load = s.load_tracker();
+    let mut bookings: Vec<_> = load
+        .iter()
+        .map(|(id, view)| (id.to_string(), view.clone()))
+        .collect();
+    bookings.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut ranks: Vec<_> = load.ranks().collect();
+    ranks.sort_by_key(|(rank, _)| *rank);
+    (bookings, ranks)
+}
+
+#[test]
+fn shared_lifecycle_calls_leave_the_state_exclusive_ones_do() {
+    let p = partition();
+    let now = Instant::now();
+    let prompts = [tokens(17), tokens(9), (100..140).collect::<Vec<u32>>()];
+    let mut exclusive = event_selector(&[1, 2, 3]);
+    let shared = event_selector(&[1, 2, 3]);
+    let mut outcomes = (Vec::new(), Vec::new());
+    for (i, prompt) in prompts.iter().enumerate() {
+        let id = format!("r{i}");
+        for s in [&exclusive, &shared] {
+            s.select(
+                &select_req(&p, prompt, Some(&id)),
+                now,
+                &mut SmallRng::seed_from_u64(i as u64),
+            )
+            .unwrap();
+        }
+        let req = ReservationRequest::replay(&p, &id);
+        outcomes.0.push(
+            exclusive
+                .create_reservation(&req, now)
+                .map_err(|e| e.to_string()),
+        );
+        outcomes
+            .1
+            .push(match shared.create_reservation_shared(&req, now) {
+                Ok(Shared::Done(r)) => Ok(r),
+                Ok(Shared::Exclusive) => panic!("a replay onto an events rank books shared"),
+                Err(e) => Err(e.to_string()),
+            });
+    }
+    assert_eq!(outcomes.0, outcomes.1);
+    assert_eq!(load_state(&exclusive), load_state(&shared));
+    let later = now + Duration::from_secs(1);
+    exclusive.prefill_complete("r0", later).unwrap();
+    assert_eq!(
+        shared.prefill_complete_shared("r0", later),
+        Ok(Shared::Done(()))
+    );
+    exclusive.output_block("r1", None, later).unwrap();
+    assert_eq!(
+        shared.output_block_shared("r1", None, later),
+        Ok(Shared::Done(()))
+    );
+    exclusive.output_block("r1", Some(0.5), later).unwrap();
+    assert_eq!(
+        shared.output_block_shared("r1", Some(0.5), later),
+        Ok(Shared::Done(()))
+    );
+    exclusive.free("r2").unwrap();
+    assert_eq!(shared.free_shared("r2"), Ok(Shared::Done(())));
+    assert_eq!(load_state(&exclusive), load_state(&shared));
+    // The same errors, with the same texts.
+    let replayed = ReservationRequest::replay(&p, "r0");
+    assert_eq!(
+        shared
+            .create_reservation_shared(&replayed, now)
+            .unwrap_err()
+            .to_string(),
+        exclusive
+            .create_reservation(&replayed, now)
+            .unwrap_err()
+            .to_string()
+    );
+    assert_eq!(
+        shared.free_shared("r2").unwrap_err().to_string(),
+        exclusive.free("r2").unwrap_err().to_string()
+    );
+    assert_eq!(
+        shared
+            .prefill_complete_shared("nope", now)
+            .unwrap_err()
+            .to_string(),
+        "reservation nope not found"
+    );
+    assert_eq!(
+        shared
+            .output_block_shared("r1", Some(1.5), now)
+            .unwrap_err()
+            .to_string(),
+        "decay_fraction must be between 0.0 and 1.0"
+    );
+    assert_eq!(load_state(&exclusive), load_state(&shared));
+}
+
+#[test]
+fn shared_calls_that_would_change_a_cache_model_change_nothing_and_ask_for_exclusive() {
+    let p = partition();
+    let now = Instant::now();
+    for policy in [CachePolicy::Ttl, CachePolicy::Lru] {
+        // Workers without KV events: their caches are modelled.
+        let mut s = Selector::new(SelectorConfig {
+            approximate_policy: policy,
+            ..SelectorConfig::default()
+        });
+        s.upsert_worker(WorkerSpec {
+            total_kv_blocks: Some(64),
+            ..spec(1)
+        })
+        .unwrap();
+        let prompt = tokens(17);
+        s.select(&select_req(&p, &prompt, Some("m")), now, &mut rng())
+            .unwrap();
+        let before = load_state(&s);
+        let replay = ReservationRequest::replay(&p, "m");
+        assert_eq!(
+            s.create_reservation_shared(&replay, now),
+            Ok(Shared::Exclusive)
+        );
+        assert_eq!(load_state(&s), before, "{policy:?}: nothing booked");
+        assert_eq!(
+            s.pending_stats().0,
+            1,
+            "{policy:?}: the selection stays cached"
+        );
+        s.create_reservation(&replay, now).unwrap();
+        if policy == CachePolicy::Lru {
+            assert_eq!(s.free_shared("m"), Ok(Shared::Exclusive));
+            assert_eq!(s.output_block_shared("m", None, now), Ok(Shared::Exclusive));
+            assert!(s.load_tracker().booking("m").is_some(), "still booked");
+        }
+        assert_eq!(s.prefill_complete_shared("m", now), Ok(Shared::Done(())));
+        s.free("m").unwrap();
+        assert!(s.load_tracker().is_empty());
+    }
+    // The explicit form always takes the exclusive path.
+    let s = event_selector(&[1]);
+    let prompt = tokens(8);
+    let explicit = ReservationRequest {
+        worker_id: Some(1),
+        reservation_id: Some("x"),
+        prompt: Some(tokens_prompt(&prompt)),
+        ..ReservationRequest::replay(&p, "x")
+    };
+    assert_eq!(
+        s.create_reservation_shared(&explicit, now),
+        Ok(Shared::Exclusive)
+    );
+    assert!(s.load_tracker().is_empty());
+}
+
+#[test]
+fn concurrent_shared_replays_of_one_selection_book_once_and_the_others_find_no_entry() {
+    use std::sync::RwLock;
+    let p = partition();
+    for iteration in 0..200 {
+        let s = RwLock::new(event_selector(&[1, 2]));
+        let now = Instant::now();
+        let id = format!("c{iteration}");
+        s.read()
+            .unwrap()
+            .select(&select_req(&p, &tokens(12), Some(&id)), now, &mut rng())
+            .unwrap();
+        let outcomes: Vec<Result<Shared<Reservation>, Error>> = thread::scope(|scope| {
+            let handles: Vec<_> = (0..4)
+                .map(|_| {
+                    scope.spawn(|| {
+                        s.read()
+                            .unwrap()
+                            .create_reservation_shared(&ReservationRequest::replay(&p, &id), now)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let booked = outcomes
+            .iter()
+            .filter(|o| matches!(o, Ok(Shared::Done(_))))
+            .count();
+        assert_eq!(booked, 1, "iteration {iteration}: {outcomes:?}");
+        for o in &outcomes {
+            if let Err(e) = o {
+                assert!(
+                    matches!(e, Error::NoPendingSelection { .. }),
+                    "iteration {iteration}: {e}"
+                );
+            }
+        }
+        assert_eq!(s.read().unwrap().load_tracker().len(), 1);
+    }
 }
