@@ -11,9 +11,12 @@ use clap::{Args, ValueEnum};
 use hashbrown::HashMap;
 use kvroute_core::hash::{BASE_SEED, PromptHashes};
 use kvroute_service::client::HttpClient;
-use kvroute_service::fake_engine::{FakeEngine, StoredBlocks};
+use kvroute_service::fake_engine::{
+    FakeEngine, StoredBlocks, removed_event, stored_event_with_hashes,
+};
 use kvroute_service::ingest::lower_current_thread_priority;
 use kvroute_wire::Encoding;
+use kvroute_wire::RawEvent;
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::collections::VecDeque;
@@ -190,10 +193,16 @@ impl Engine {
             .is_some_and(|&oldest| oldest >= self.evicted)
     }
 
-    /// Caches a prompt whose block sequence hashes are `sequence` (the engine hashes too),
-    /// publishing the blocks it did not hold and the ones that makes it evict. `prompt` names a
-    /// prompt that may come again (remembered), `None` a one-off.
-    async fn cache_prompt(&mut self, prompt: Option<usize>, tokens: &[u32], sequence: &[u64]) {
+    /// Caches a prompt whose block sequence hashes are `sequence` (the engine hashes too) and
+    /// returns the events that says: the blocks it did not hold, and the ones that makes it
+    /// evict. `prompt` names a prompt that may come again (remembered), `None` a one-off.
+    fn cache_prompt(
+        &mut self,
+        prompt: Option<usize>,
+        tokens: &[u32],
+        sequence: &[u64],
+        events: &mut Vec<RawEvent>,
+    ) {
         if prompt.is_some_and(|p| self.holds_prompt(p)) {
             return;
         }
@@ -233,20 +242,73 @@ impl Engine {
                     evicted.push(h);
                 }
             }
-            // One message for the step's stores and evictions. (A failed publish, only seen at
-            // shutdown, leaves the books as if it had gone out.)
-            let _ = self
-                .engine
-                .publish_stored_hashed(&blocks, &sequence[have..], &evicted)
-                .await;
+            events.push(stored_event_with_hashes(&blocks, sequence[have..].to_vec()).0);
+            if !evicted.is_empty() {
+                events.push(removed_event(&evicted, None));
+            }
         }
         if let Some(prompt) = prompt {
             self.cached_from.insert(prompt, oldest);
         }
     }
+
+    /// Publishes one step's events in one batch, as vLLM does. (A failed publish, only seen at
+    /// shutdown, leaves the books as if it had gone out.)
+    async fn publish(&mut self, events: Vec<RawEvent>) {
+        if !events.is_empty() {
+            let _ = self.engine.publish_events(events).await;
+        }
+    }
 }
 
-type Engines = Arc<Vec<Mutex<Engine>>>;
+/// One fake engine with the prompts routed to it and not yet cached. Its flusher takes them all
+/// at once and publishes them as one step, so an engine that fell behind catches up in few
+/// messages, as a real engine's scheduler batches the requests of one step.
+struct EngineSlot {
+    engine: Mutex<Engine>,
+    /// Routed prompts (by index), each with its place in the backlog.
+    queue: std::sync::Mutex<Vec<(usize, tokio::sync::OwnedSemaphorePermit)>>,
+    routed: tokio::sync::Notify,
+}
+
+impl EngineSlot {
+    fn route(&self, prompt: usize, permit: tokio::sync::OwnedSemaphorePermit) {
+        if let Ok(mut queue) = self.queue.lock() {
+            queue.push((prompt, permit));
+        }
+        self.routed.notify_one();
+    }
+
+    /// Publishes what is routed to the engine until the run ends.
+    async fn flush_forever(&self, prompts: &[Vec<u32>], sequences: &[Vec<u64>]) {
+        loop {
+            self.routed.notified().await;
+            let batch = self
+                .queue
+                .lock()
+                .map(|mut queue| std::mem::take(&mut *queue))
+                .unwrap_or_default();
+            if batch.is_empty() {
+                continue;
+            }
+            let mut engine = self.engine.lock().await;
+            let mut events = Vec::new();
+            for &(prompt, _) in &batch {
+                engine.cache_prompt(
+                    Some(prompt),
+                    &prompts[prompt],
+                    &sequences[prompt],
+                    &mut events,
+                );
+            }
+            engine.publish(events).await;
+            // The permits go back to the backlog with the batch.
+            drop(batch);
+        }
+    }
+}
+
+type Engines = Arc<Vec<EngineSlot>>;
 
 async fn start_engines(args: &LoadgenArgs) -> Result<Option<Engines>, String> {
     let Some(base) = args.events_base_port else {
@@ -261,16 +323,20 @@ async fn start_engines(args: &LoadgenArgs) -> Result<Option<Engines>, String> {
         let engine = FakeEngine::bind(&address, None, Encoding::Array)
             .await
             .map_err(|e| format!("fake engine for worker {id}: {e}"))?;
-        engines.push(Mutex::new(Engine {
-            engine,
-            held: HashMap::new(),
-            order: VecDeque::new(),
-            evicted: 0,
-            next_position: 0,
-            cached_from: HashMap::new(),
-            capacity: args.engine_kv_blocks.max(1),
-            block_size: args.block_size,
-        }));
+        engines.push(EngineSlot {
+            engine: Mutex::new(Engine {
+                engine,
+                held: HashMap::new(),
+                order: VecDeque::new(),
+                evicted: 0,
+                next_position: 0,
+                cached_from: HashMap::new(),
+                capacity: args.engine_kv_blocks.max(1),
+                block_size: args.block_size,
+            }),
+            queue: std::sync::Mutex::new(Vec::new()),
+            routed: tokio::sync::Notify::new(),
+        });
     }
     Ok(Some(Arc::new(engines)))
 }
@@ -455,7 +521,8 @@ async fn run_async(
         let engines = Arc::clone(engines);
         on_engines(&engines_rt, async move {
             for e in engines.iter() {
-                e.lock()
+                e.engine
+                    .lock()
                     .await
                     .engine
                     .wait_for_subscribers(1, Duration::from_secs(5))
@@ -471,6 +538,14 @@ async fn run_async(
     let start = Instant::now();
     let mut tasks = Vec::new();
     let prompts = Arc::new(prompts);
+    if let Some(engines) = &engines {
+        for at in 0..engines.len() {
+            let engines = Arc::clone(engines);
+            let prompts = Arc::clone(&prompts);
+            let sequences = Arc::clone(&sequences);
+            engines_rt.spawn(async move { engines[at].flush_forever(&prompts, &sequences).await });
+        }
+    }
     let mut storm = Vec::new();
     if let (true, Some(engines)) = (args.event_storm, &engines) {
         for (i, _) in engines.iter().enumerate() {
@@ -486,11 +561,11 @@ async fn run_async(
                     }
                     let sequence =
                         PromptHashes::from_tokens(&tokens, block_size, BASE_SEED).sequence;
-                    engines[i]
-                        .lock()
-                        .await
-                        .cache_prompt(None, &tokens, &sequence)
-                        .await;
+                    let mut engine = engines[i].engine.lock().await;
+                    let mut events = Vec::new();
+                    engine.cache_prompt(None, &tokens, &sequence, &mut events);
+                    engine.publish(events).await;
+                    drop(engine);
                     n += engines.len();
                     tokio::task::yield_now().await;
                 }
@@ -500,10 +575,7 @@ async fn run_async(
     }
     for task in 0..args.concurrency.max(1) {
         let engines = engines.clone();
-        let engines_rt = engines_rt.clone();
         let backlog = Arc::clone(&backlog);
-        let prompts = Arc::clone(&prompts);
-        let sequences = Arc::clone(&sequences);
         let bodies = Arc::clone(&bodies);
         let counter = Arc::clone(&counter);
         let label = args.label.clone();
@@ -545,60 +617,47 @@ async fn run_async(
                 if mode == Mode::Cycle && status == Some(200) {
                     let reserve = format!("{{\"selection_id\":\"{id}\"}}");
                     let start_booking = Instant::now();
-                    let booked =
-                        match client
-                            .request("POST", "/reservations", Some(reserve.as_bytes()))
-                            .await
-                        {
-                            Ok((status, reply)) => {
-                                samples.routes.entry("reservations").or_default().push(
-                                    start_booking.elapsed().as_micros().min(u32::MAX as u128)
-                                        as u32,
-                                );
-                                *samples.statuses.entry(status).or_default() += 1;
-                                let worker = reply_worker_id(&reply);
-                                // The engine that got the request now caches its prompt.
-                                // An engine that holds the whole prompt has nothing to publish:
-                                // seen from here, without a round trip to the engines' thread.
-                                let held = |engines: &Engines, at: usize| {
-                                    engines.get(at).is_some_and(|e| {
-                                        e.try_lock().is_ok_and(|e| e.holds_prompt(index))
-                                    })
-                                };
-                                if let (Some(engines), Some(w)) = (&engines, worker)
-                                    && !held(engines, (w as usize).wrapping_sub(1))
+                    let booked = match client
+                        .request("POST", "/reservations", Some(reserve.as_bytes()))
+                        .await
+                    {
+                        Ok((status, reply)) => {
+                            samples
+                                .routes
+                                .entry("reservations")
+                                .or_default()
+                                .push(start_booking.elapsed().as_micros().min(u32::MAX as u128)
+                                    as u32);
+                            *samples.statuses.entry(status).or_default() += 1;
+                            let worker = reply_worker_id(&reply);
+                            // The engine that got the request now caches its prompt.
+                            // An engine that holds the whole prompt has nothing to publish:
+                            // seen from here, without a round trip to the engines' thread.
+                            let held = |engines: &Engines, at: usize| {
+                                engines.get(at).is_some_and(|e| {
+                                    e.engine.try_lock().is_ok_and(|e| e.holds_prompt(index))
+                                })
+                            };
+                            if let (Some(engines), Some(w)) = (&engines, worker)
+                                && !held(engines, (w as usize).wrapping_sub(1))
+                            {
+                                // The engine publishes in the background, as a real one
+                                // does while it serves the request; a bounded backlog
+                                // makes the clients wait when the engines fall behind.
+                                let at = (w as usize).wrapping_sub(1);
+                                if let (Some(engine), Ok(permit)) =
+                                    (engines.get(at), Arc::clone(&backlog).acquire_owned().await)
                                 {
-                                    let engines = Arc::clone(engines);
-                                    let prompts = Arc::clone(&prompts);
-                                    let sequences = Arc::clone(&sequences);
-                                    let at = (w as usize).wrapping_sub(1);
-                                    // The engine publishes in the background, as a real one
-                                    // does while it serves the request; a bounded backlog
-                                    // makes the clients wait when the engines fall behind.
-                                    if let Ok(permit) = Arc::clone(&backlog).acquire_owned().await {
-                                        engines_rt.spawn(async move {
-                                            if let Some(engine) = engines.get(at) {
-                                                engine
-                                                    .lock()
-                                                    .await
-                                                    .cache_prompt(
-                                                        Some(index),
-                                                        &prompts[index],
-                                                        &sequences[index],
-                                                    )
-                                                    .await;
-                                            }
-                                            drop(permit);
-                                        });
-                                    }
+                                    engine.route(index, permit);
                                 }
-                                Some(status)
                             }
-                            Err(_) => {
-                                samples.transport_errors += 1;
-                                None
-                            }
-                        };
+                            Some(status)
+                        }
+                        Err(_) => {
+                            samples.transport_errors += 1;
+                            None
+                        }
+                    };
                     if booked == Some(201) {
                         let prefill = format!("/reservations/{id}/prefill_complete");
                         timed(

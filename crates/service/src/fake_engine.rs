@@ -174,7 +174,7 @@ pub fn stored_event_with_hashes(
 }
 
 /// A `BlockRemoved` of engine hashes from `medium` (`None` is the device).
-fn removed_event(block_hashes: &[u64], medium: Option<&str>) -> RawEvent {
+pub fn removed_event(block_hashes: &[u64], medium: Option<&str>) -> RawEvent {
     RawEvent::Removed(RawRemoved {
         block_hashes: block_hashes.to_vec(),
         medium: Some(medium.unwrap_or("GPU").to_string()),
