@@ -243,8 +243,12 @@ impl<'a, 'o> Cursor<'a, 'o> {
         let non_digit = (values.wrapping_add(0x76 * ONES) | values) & (0x80 * ONES);
         let digits = non_digit.trailing_zeros() / 8;
         // The comma and the byte after it.
+        if !(1..=6).contains(&digits) {
+            return Some(false);
+        }
+        // (After the check: eight digits would shift the word by its whole width.)
         let separator = word >> (8 * digits);
-        if !(1..=6).contains(&digits) || separator as u8 != b',' {
+        if separator as u8 != b',' {
             return Some(false);
         }
         if word as u8 == b'0' && digits > 1 {
