@@ -2,7 +2,7 @@
 # Side-by-side benchmark: kvroute vs NVIDIA Dynamo's selection service (PyPI ai-dynamo-runtime),
 # same machine, same workload, same run, alternating A B A B.
 #
-#   bench/side_by_side.sh                 # ROUNDS=2 DURATION=20 WORKERS=64 CONCURRENCY=32
+#   bench/side_by_side.sh                 # ROUNDS=2 DURATION=20 WARMUP=10 WORKERS=64 CONCURRENCY=32
 #
 # Dynamo's service binds 0.0.0.0 with no option to change it, so both servers and the load
 # generator run inside a network namespace whose only interface is loopback (needs root). The
@@ -15,6 +15,7 @@ cd "$repo"
 
 ROUNDS="${ROUNDS:-2}"
 DURATION="${DURATION:-20}"
+WARMUP="${WARMUP:-10}"
 WORKERS="${WORKERS:-64}"
 CONCURRENCY="${CONCURRENCY:-32}"
 MAX_PROMPT_TOKENS="${MAX_PROMPT_TOKENS:-16384}"
@@ -84,13 +85,20 @@ run() { # name port mode round register [extra loadgen flags...]
   echo "   $name $mode round $round done"
 }
 
+# Warm-up: a cycle run per server before the measured rounds, so that round 1, like every later
+# round, meets servers whose indexes already hold what earlier engines published.
+echo "== warming up: ${WARMUP}s of cycles per server"
+for name in dynamo kvroute; do
+  port=$KV_PORT; [ "$name" = dynamo ] && port=$DYN_PORT
+  DURATION=$WARMUP run "$name" "$port" cycle warm 1
+done
+
 echo "== running $ROUNDS rounds of ${DURATION}s per server and mode (W=$WORKERS, C=$CONCURRENCY)"
 for round in $(seq 1 "$ROUNDS"); do
-  reg=0; [ "$round" = 1 ] && reg=1
+  reg=0
   for mode in select cycle; do
     run dynamo "$DYN_PORT" "$mode" "$round" "$reg"
     run kvroute "$KV_PORT" "$mode" "$round" "$reg"
-    reg=0
   done
 done
 
