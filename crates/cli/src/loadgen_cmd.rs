@@ -142,6 +142,70 @@ fn trace_prompts(path: &PathBuf, cap: usize) -> Result<Vec<Vec<u32>>, String> {
     Ok(prompts)
 }
 
+/// A prompt's select-body tail and its block hashes.
+type Prepared = (String, Vec<u64>);
+
+/// Each prompt's select-body tail (its token array and the closing brace) and its block hashes,
+/// in prompt order, prepared on all available cores.
+fn prepare_prompts(
+    prompts: &[Vec<u32>],
+    block_size: usize,
+) -> Result<(Vec<String>, Vec<Vec<u64>>), String> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, usize::from)
+        .clamp(1, 8);
+    let chunk = prompts.len().div_ceil(threads).max(1);
+    let prepare = |part: &[Vec<u32>]| -> Vec<Prepared> {
+        part.iter()
+            .map(|p| {
+                let hashes = PromptHashes::from_tokens(p, block_size, BASE_SEED).sequence;
+                (token_array_tail(p), hashes)
+            })
+            .collect()
+    };
+    let parts: Result<Vec<Vec<Prepared>>, String> = std::thread::scope(|scope| {
+        let handles: Vec<_> = prompts
+            .chunks(chunk)
+            .map(|part| scope.spawn(move || prepare(part)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .map_err(|_| "preparing the prompts failed".to_string())
+            })
+            .collect()
+    });
+    Ok(parts?.into_iter().flatten().unzip())
+}
+
+/// `[1,2,3]}`: a prompt's token ids as a JSON array, and the brace that closes the body.
+fn token_array_tail(tokens: &[u32]) -> String {
+    // Vocabulary ids have at most six digits; one more byte for the comma.
+    let mut out: Vec<u8> = Vec::with_capacity(tokens.len() * 7 + 3);
+    out.push(b'[');
+    for (k, &token) in tokens.iter().enumerate() {
+        if k > 0 {
+            out.push(b',');
+        }
+        let mut digits = [0u8; 10];
+        let mut at = digits.len();
+        let mut rest = token;
+        loop {
+            at -= 1;
+            digits[at] = b'0' + (rest % 10) as u8;
+            rest /= 10;
+            if rest == 0 {
+                break;
+            }
+        }
+        out.extend_from_slice(&digits[at..]);
+    }
+    out.extend_from_slice(b"]}");
+    // Only ASCII digits, commas and brackets were written.
+    String::from_utf8(out).unwrap_or_default()
+}
+
 /// Token ids are drawn from a vocabulary of this size.
 const VOCAB: u64 = 151_936;
 
@@ -343,6 +407,29 @@ async fn start_engines(args: &LoadgenArgs) -> Result<Option<Engines>, String> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn prepared_prompts_match_serde_and_the_hashes() {
+        let prompts: Vec<Vec<u32>> = (0..37u32)
+            .map(|i| {
+                (0..(i * 29) % 300)
+                    .map(|t| t.wrapping_mul(2_654_435_761) >> (t % 32))
+                    .collect()
+            })
+            .filter(|p: &Vec<u32>| !p.is_empty())
+            .collect();
+        let (bodies, sequences) = super::prepare_prompts(&prompts, 16).unwrap();
+        assert_eq!(bodies.len(), prompts.len());
+        for ((p, body), sequence) in prompts.iter().zip(&bodies).zip(&sequences) {
+            assert_eq!(body, &(serde_json::to_string(p).unwrap() + "}"));
+            let expected = super::PromptHashes::from_tokens(p, 16, super::BASE_SEED).sequence;
+            assert_eq!(sequence, &expected);
+        }
+        assert_eq!(
+            super::token_array_tail(&[0, 4_294_967_295]),
+            "[0,4294967295]}"
+        );
+    }
+
     use super::reply_worker_id;
 
     #[test]
@@ -490,22 +577,14 @@ async fn run_async(
         None => synthetic_prompts(args.max_prompt_tokens),
     };
     // Pre-render the select bodies' token arrays (with the closing brace) so JSON encoding is not
-    // measured; each request sends its own short head and this tail without copying it.
-    let bodies: Arc<Vec<String>> = Arc::new(
-        prompts
-            .iter()
-            .map(|p| serde_json::to_string(p).unwrap_or_default() + "}")
-            .collect(),
-    );
-    let mean_tokens = prompts.iter().map(Vec::len).sum::<usize>() / prompts.len();
-    // The engines' block hashes of every prompt, computed once, not per request.
+    // measured; each request sends its own short head and this tail without copying it. With
+    // the engines' block hashes of every prompt, computed once, not per request; both on every
+    // core (a trace's ~100 M tokens take seconds on one).
     let block_size = args.block_size as usize;
-    let sequences: Arc<Vec<Vec<u64>>> = Arc::new(
-        prompts
-            .iter()
-            .map(|p| PromptHashes::from_tokens(p, block_size, BASE_SEED).sequence)
-            .collect(),
-    );
+    let (bodies, sequences) = prepare_prompts(&prompts, block_size)?;
+    let bodies: Arc<Vec<String>> = Arc::new(bodies);
+    let sequences: Arc<Vec<Vec<u64>>> = Arc::new(sequences);
+    let mean_tokens = prompts.iter().map(Vec::len).sum::<usize>() / prompts.len();
     // The fake engines (stand-ins for engines on other hosts) run on a thread of their own, so
     // publishing never delays this process's clients, whose latencies are the measurement.
     let engine_args = args.clone();
@@ -517,17 +596,25 @@ async fn run_async(
     .ok_or("the fake engines' runtime stopped")??;
     register(addr, &args).await?;
     if let Some(engines) = &engines {
-        // Let the service's listeners connect before the first events are published.
+        // Let the service's listeners connect before the first events are published (all
+        // engines at once: each wait ends with a short pause for the subscription frame).
         let engines = Arc::clone(engines);
         on_engines(&engines_rt, async move {
-            for e in engines.iter() {
-                e.engine
-                    .lock()
-                    .await
-                    .engine
-                    .wait_for_subscribers(1, Duration::from_secs(5))
-                    .await;
+            let mut waits = tokio::task::JoinSet::new();
+            for at in 0..engines.len() {
+                let engines = Arc::clone(&engines);
+                waits.spawn(async move {
+                    if let Some(e) = engines.get(at) {
+                        e.engine
+                            .lock()
+                            .await
+                            .engine
+                            .wait_for_subscribers(1, Duration::from_secs(5))
+                            .await;
+                    }
+                });
             }
+            while waits.join_next().await.is_some() {}
         })
         .await;
     }
