@@ -36,7 +36,9 @@ stamp="$(date -u +%Y-%m-%dT%H-%M-%SZ)"
 workdir="$(mktemp -d)"
 
 echo "== building kvroute (release)"
-cargo build --release -q -p kvroute
+# Without replica sync (the `nats` feature, not used here): half the build time on a fresh
+# machine (2 min 45 s instead of 5 min 7 s on 2 cores).
+cargo build --release -q -p kvroute --no-default-features
 kvroute="$repo/target/release/kvroute"
 [ -n "${CARGO_TARGET_DIR:-}" ] && kvroute="$CARGO_TARGET_DIR/release/kvroute"
 
