@@ -473,6 +473,19 @@ impl Default for Selector {
     }
 }
 
+/// The booking ids a reservation request names, checked as ids before anything else.
+fn check_reservation_ids(req: &ReservationRequest<'_>) -> Result<(), Error> {
+    for (field, value) in [
+        ("selection_id", req.selection_id),
+        ("reservation_id", req.reservation_id),
+    ] {
+        if let Some(v) = value {
+            sync::check_booking_id(field, v)?;
+        }
+    }
+    Ok(())
+}
+
 /// Locks one of the selector's inner mutexes. A panic while one was held cannot leave its
 /// state inconsistent in a way that matters more than refusing service, so a poisoned lock is
 /// simply taken over.
@@ -1363,14 +1376,7 @@ impl Selector {
         now: Instant,
     ) -> Result<Reservation, Error> {
         self.check_running()?;
-        for (field, value) in [
-            ("selection_id", req.selection_id),
-            ("reservation_id", req.reservation_id),
-        ] {
-            if let Some(v) = value {
-                sync::check_booking_id(field, v)?;
-            }
-        }
+        check_reservation_ids(req)?;
         match (req.worker_id, req.selection_id) {
             (Some(worker_id), _) => self.book_explicit(req, worker_id, now),
             (None, Some(selection_id)) => self.book_replay(req, selection_id, now),
@@ -1465,14 +1471,7 @@ impl Selector {
         now: Instant,
     ) -> Result<Shared<Reservation>, Error> {
         self.check_running()?;
-        for (field, value) in [
-            ("selection_id", req.selection_id),
-            ("reservation_id", req.reservation_id),
-        ] {
-            if let Some(v) = value {
-                sync::check_booking_id(field, v)?;
-            }
-        }
+        check_reservation_ids(req)?;
         let (None, Some(selection_id)) = (req.worker_id, req.selection_id) else {
             return Ok(Shared::Exclusive);
         };

@@ -806,18 +806,21 @@ fn shutdown_refuses_every_operation() {
     assert!(!s.ready().ready);
 }
 
+/// `s` after a select that cached the selection `id`.
+fn with_pending_selection(s: Selector, p: &PartitionKey, id: &str, now: Instant) -> Selector {
+    s.select(&select_req(p, &tokens(12), Some(id)), now, &mut rng())
+        .unwrap();
+    s
+}
+
 #[test]
 fn concurrent_replays_of_one_selection_book_exactly_once() {
     use std::sync::RwLock;
     let p = partition();
     for iteration in 0..200 {
-        let s = RwLock::new(selector_with(&[1, 2]));
         let now = Instant::now();
         let id = format!("c{iteration}");
-        s.read()
-            .unwrap()
-            .select(&select_req(&p, &tokens(12), Some(&id)), now, &mut rng())
-            .unwrap();
+        let s = RwLock::new(with_pending_selection(selector_with(&[1, 2]), &p, &id, now));
         let successes: usize = thread::scope(|scope| {
             let handles: Vec<_> = (0..4)
                 .map(|_| {
@@ -1138,13 +1141,14 @@ fn concurrent_shared_replays_of_one_selection_book_once_and_the_others_find_no_e
     use std::sync::RwLock;
     let p = partition();
     for iteration in 0..200 {
-        let s = RwLock::new(event_selector(&[1, 2]));
         let now = Instant::now();
         let id = format!("c{iteration}");
-        s.read()
-            .unwrap()
-            .select(&select_req(&p, &tokens(12), Some(&id)), now, &mut rng())
-            .unwrap();
+        let s = RwLock::new(with_pending_selection(
+            event_selector(&[1, 2]),
+            &p,
+            &id,
+            now,
+        ));
         let outcomes: Vec<Result<Shared<Reservation>, Error>> = thread::scope(|scope| {
             let handles: Vec<_> = (0..4)
                 .map(|_| {
