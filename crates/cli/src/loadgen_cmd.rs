@@ -12,11 +12,10 @@ use hashbrown::HashMap;
 use kvroute_core::hash::{BASE_SEED, PromptHashes};
 use kvroute_service::client::HttpClient;
 use kvroute_service::fake_engine::{
-    FakeEngine, StoredBlocks, removed_event, stored_event_with_hashes,
+    FakeEngine, StoredBlocks, removed_event, stored_event_packed, stored_event_with_hashes,
 };
 use kvroute_service::ingest::lower_current_thread_priority;
-use kvroute_wire::Encoding;
-use kvroute_wire::RawEvent;
+use kvroute_wire::{Encoding, PackedRun, PackedTokens, RawEvent};
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::collections::VecDeque;
@@ -143,14 +142,15 @@ fn trace_prompts(path: &PathBuf, cap: usize) -> Result<Vec<Vec<u32>>, String> {
 }
 
 /// A prompt's select-body tail and its block hashes.
-type Prepared = (String, Vec<u64>);
+type Prepared = (String, Vec<u64>, PackedTokens);
 
-/// Each prompt's select-body tail (its token array and the closing brace) and its block hashes,
-/// in prompt order, prepared on all available cores.
+/// Each prompt's select-body tail (its token array and the closing brace), its block hashes and,
+/// with `pack`, its packed ids, in prompt order, prepared on all available cores.
 fn prepare_prompts(
     prompts: &[Vec<u32>],
     block_size: usize,
-) -> Result<(Vec<String>, Vec<Vec<u64>>), String> {
+    pack: bool,
+) -> Result<PreparedPrompts, String> {
     let threads = std::thread::available_parallelism()
         .map_or(1, usize::from)
         .clamp(1, 8);
@@ -159,7 +159,8 @@ fn prepare_prompts(
         part.iter()
             .map(|p| {
                 let hashes = PromptHashes::from_tokens(p, block_size, BASE_SEED).sequence;
-                (token_array_tail(p), hashes)
+                let packed = pack.then(|| PackedTokens::new(p, block_size as u32));
+                (token_array_tail(p), hashes, packed.unwrap_or_default())
             })
             .collect()
     };
@@ -176,7 +177,26 @@ fn prepare_prompts(
             })
             .collect()
     });
-    Ok(parts?.into_iter().flatten().unzip())
+    let mut prepared = PreparedPrompts::default();
+    for (body, hashes, packed) in parts?.into_iter().flatten() {
+        prepared.bodies.push(body);
+        prepared.sequences.push(hashes);
+        if pack {
+            prepared.packed.push(packed);
+        }
+    }
+    Ok(prepared)
+}
+
+/// What [`prepare_prompts`] makes of each prompt.
+#[derive(Default)]
+struct PreparedPrompts {
+    /// The select body's token array and closing brace.
+    bodies: Vec<String>,
+    /// The engines' block hashes.
+    sequences: Vec<Vec<u64>>,
+    /// The ids packed for the fake engines' events (empty when there are no engines).
+    packed: Vec<PackedTokens>,
 }
 
 /// `[1,2,3]}`: a prompt's token ids as a JSON array, and the brace that closes the body.
@@ -260,12 +280,12 @@ impl Engine {
     /// Caches a prompt whose block sequence hashes are `sequence` (the engine hashes too) and
     /// returns the events that says: the blocks it did not hold, and the ones that makes it
     /// evict. `prompt` names a prompt that may come again (remembered), `None` a one-off.
-    fn cache_prompt(
+    fn cache_prompt<'t>(
         &mut self,
         prompt: Option<usize>,
-        tokens: &[u32],
+        tokens: PromptTokens<'t>,
         sequence: &[u64],
-        events: &mut Vec<RawEvent>,
+        step: &mut Step<'t>,
     ) {
         if prompt.is_some_and(|p| self.holds_prompt(p)) {
             return;
@@ -283,9 +303,13 @@ impl Engine {
             let parent = have.checked_sub(1).map(|i| sequence[i]);
             let start = have * self.block_size as usize;
             let end = sequence.len() * self.block_size as usize;
+            let (token_ids, packed) = match tokens {
+                PromptTokens::Plain(tokens) => (&tokens[start..end], None),
+                PromptTokens::Packed(packed) => (&[][..], packed.blocks(have, sequence.len())),
+            };
             let blocks = StoredBlocks {
                 parent,
-                token_ids: &tokens[start..end],
+                token_ids,
                 block_size: self.block_size,
                 ..StoredBlocks::default()
             };
@@ -306,9 +330,21 @@ impl Engine {
                     evicted.push(h);
                 }
             }
-            events.push(stored_event_with_hashes(&blocks, sequence[have..].to_vec()).0);
+            let hashes = sequence[have..].to_vec();
+            match packed {
+                Some(run) => {
+                    step.events.push(stored_event_packed(&blocks, hashes));
+                    step.packed.push(Some(run));
+                }
+                None => {
+                    step.events
+                        .push(stored_event_with_hashes(&blocks, hashes).0);
+                    step.packed.push(None);
+                }
+            }
             if !evicted.is_empty() {
-                events.push(removed_event(&evicted, None));
+                step.events.push(removed_event(&evicted, None));
+                step.packed.push(None);
             }
         }
         if let Some(prompt) = prompt {
@@ -318,11 +354,30 @@ impl Engine {
 
     /// Publishes one step's events in one batch, as vLLM does. (A failed publish, only seen at
     /// shutdown, leaves the books as if it had gone out.)
-    async fn publish(&mut self, events: Vec<RawEvent>) {
-        if !events.is_empty() {
-            let _ = self.engine.publish_events(events).await;
+    async fn publish(&mut self, step: Step<'_>) {
+        if !step.events.is_empty() {
+            let _ = self
+                .engine
+                .publish_events_packed(step.events, &step.packed)
+                .await;
         }
     }
+}
+
+/// A prompt's token ids as an engine publishes them: as they are, or packed once for a prompt
+/// that comes again and again (then publishing its blocks copies bytes, as a real engine's
+/// publisher on another host costs this machine nothing).
+#[derive(Clone, Copy)]
+enum PromptTokens<'a> {
+    Plain(&'a [u32]),
+    Packed(&'a PackedTokens),
+}
+
+/// The events of one engine step, each with its packed token ids if it has them.
+#[derive(Default)]
+struct Step<'a> {
+    events: Vec<RawEvent>,
+    packed: Vec<Option<PackedRun<'a>>>,
 }
 
 /// One fake engine with the prompts routed to it and not yet cached. Its flusher takes them all
@@ -344,7 +399,7 @@ impl EngineSlot {
     }
 
     /// Publishes what is routed to the engine until the run ends.
-    async fn flush_forever(&self, prompts: &[Vec<u32>], sequences: &[Vec<u64>]) {
+    async fn flush_forever(&self, packed: &[PackedTokens], sequences: &[Vec<u64>]) {
         loop {
             self.routed.notified().await;
             let batch = self
@@ -356,16 +411,19 @@ impl EngineSlot {
                 continue;
             }
             let mut engine = self.engine.lock().await;
-            let mut events = Vec::new();
+            let mut step = Step::default();
             for &(prompt, _) in &batch {
-                engine.cache_prompt(
-                    Some(prompt),
-                    &prompts[prompt],
-                    &sequences[prompt],
-                    &mut events,
-                );
+                if let (Some(tokens), Some(sequence)) = (packed.get(prompt), sequences.get(prompt))
+                {
+                    engine.cache_prompt(
+                        Some(prompt),
+                        PromptTokens::Packed(tokens),
+                        sequence,
+                        &mut step,
+                    );
+                }
             }
-            engine.publish(events).await;
+            engine.publish(step).await;
             // The permits go back to the backlog with the batch.
             drop(batch);
         }
@@ -417,13 +475,22 @@ mod tests {
             })
             .filter(|p: &Vec<u32>| !p.is_empty())
             .collect();
-        let (bodies, sequences) = super::prepare_prompts(&prompts, 16).unwrap();
-        assert_eq!(bodies.len(), prompts.len());
-        for ((p, body), sequence) in prompts.iter().zip(&bodies).zip(&sequences) {
+        let prepared = super::prepare_prompts(&prompts, 16, true).unwrap();
+        assert_eq!(prepared.bodies.len(), prompts.len());
+        assert_eq!(prepared.packed.len(), prompts.len());
+        for (i, p) in prompts.iter().enumerate() {
+            let body = &prepared.bodies[i];
             assert_eq!(body, &(serde_json::to_string(p).unwrap() + "}"));
             let expected = super::PromptHashes::from_tokens(p, 16, super::BASE_SEED).sequence;
-            assert_eq!(sequence, &expected);
+            assert_eq!(prepared.sequences[i], expected);
+            assert_eq!(prepared.packed[i].len(), p.len());
         }
+        assert!(
+            super::prepare_prompts(&prompts, 16, false)
+                .unwrap()
+                .packed
+                .is_empty()
+        );
         assert_eq!(
             super::token_array_tail(&[0, 4_294_967_295]),
             "[0,4294967295]}"
@@ -581,9 +648,10 @@ async fn run_async(
     // the engines' block hashes of every prompt, computed once, not per request; both on every
     // core (a trace's ~100 M tokens take seconds on one).
     let block_size = args.block_size as usize;
-    let (bodies, sequences) = prepare_prompts(&prompts, block_size)?;
-    let bodies: Arc<Vec<String>> = Arc::new(bodies);
-    let sequences: Arc<Vec<Vec<u64>>> = Arc::new(sequences);
+    let prepared = prepare_prompts(&prompts, block_size, args.events_base_port.is_some())?;
+    let bodies: Arc<Vec<String>> = Arc::new(prepared.bodies);
+    let sequences: Arc<Vec<Vec<u64>>> = Arc::new(prepared.sequences);
+    let packed: Arc<Vec<PackedTokens>> = Arc::new(prepared.packed);
     let mean_tokens = prompts.iter().map(Vec::len).sum::<usize>() / prompts.len();
     // The fake engines (stand-ins for engines on other hosts) run on a thread of their own, so
     // publishing never delays this process's clients, whose latencies are the measurement.
@@ -628,9 +696,9 @@ async fn run_async(
     if let Some(engines) = &engines {
         for at in 0..engines.len() {
             let engines = Arc::clone(engines);
-            let prompts = Arc::clone(&prompts);
+            let packed = Arc::clone(&packed);
             let sequences = Arc::clone(&sequences);
-            engines_rt.spawn(async move { engines[at].flush_forever(&prompts, &sequences).await });
+            engines_rt.spawn(async move { engines[at].flush_forever(&packed, &sequences).await });
         }
     }
     let mut storm = Vec::new();
@@ -649,9 +717,9 @@ async fn run_async(
                     let sequence =
                         PromptHashes::from_tokens(&tokens, block_size, BASE_SEED).sequence;
                     let mut engine = engines[i].engine.lock().await;
-                    let mut events = Vec::new();
-                    engine.cache_prompt(None, &tokens, &sequence, &mut events);
-                    engine.publish(events).await;
+                    let mut step = Step::default();
+                    engine.cache_prompt(None, PromptTokens::Plain(&tokens), &sequence, &mut step);
+                    engine.publish(step).await;
                     drop(engine);
                     n += engines.len();
                     tokio::task::yield_now().await;

@@ -99,10 +99,30 @@ impl HttpClient {
             self.head.extend_from_slice(first);
             rest = tail;
         }
+        // Head and body in one write where the socket takes them (a head sent alone would reach
+        // the server as a segment of its own, and wake it once more for the body).
         let stream = self.stream.get_mut();
-        stream.write_all(&self.head).await?;
-        for b in rest {
-            stream.write_all(b).await?;
+        let mut pieces: Vec<&[u8]> = Vec::with_capacity(1 + rest.len());
+        pieces.push(&self.head);
+        pieces.extend(rest.iter().copied().filter(|b| !b.is_empty()));
+        let mut first = 0;
+        let mut offset = 0;
+        while first < pieces.len() {
+            let slices: Vec<std::io::IoSlice<'_>> = std::iter::once(&pieces[first][offset..])
+                .chain(pieces[first + 1..].iter().copied())
+                .map(std::io::IoSlice::new)
+                .collect();
+            let mut written = stream.write_vectored(&slices).await?;
+            if written == 0 {
+                return Err(ClientError::Io(std::io::ErrorKind::WriteZero.into()));
+            }
+            // Step past what went out.
+            while first < pieces.len() && written >= pieces[first].len() - offset {
+                written -= pieces[first].len() - offset;
+                first += 1;
+                offset = 0;
+            }
+            offset += written;
         }
         let mut line = String::new();
         if self.stream.read_line(&mut line).await? == 0 {
@@ -137,5 +157,67 @@ impl HttpClient {
         let mut buf = vec![0u8; length];
         self.stream.read_exact(&mut buf).await?;
         Ok((status, buf))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::net::TcpListener;
+
+    /// A server that reads one request at a time, slowly, and answers with the body it got.
+    async fn echo_server() -> SocketAddr {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (stream, _) = listener.accept().await.unwrap();
+            let mut stream = BufReader::with_capacity(1024, stream);
+            loop {
+                let mut length = 0usize;
+                let mut line = String::new();
+                loop {
+                    line.clear();
+                    if stream.read_line(&mut line).await.unwrap_or(0) == 0 {
+                        return;
+                    }
+                    if line == "\r\n" {
+                        break;
+                    }
+                    if let Some(v) = line.strip_prefix("content-length: ") {
+                        length = v.trim().parse().unwrap();
+                    }
+                }
+                let mut body = vec![0u8; length];
+                for chunk in body.chunks_mut(1_000_000) {
+                    // Read in small steps, so that the client's writes come back partial.
+                    stream.read_exact(chunk).await.unwrap();
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {length}\r\n\r\n");
+                let out = stream.get_mut();
+                out.write_all(head.as_bytes()).await.unwrap();
+                out.write_all(&body).await.unwrap();
+            }
+        });
+        addr
+    }
+
+    #[tokio::test]
+    async fn bodies_in_pieces_arrive_whole_through_partial_writes() {
+        let addr = echo_server().await;
+        let mut client = HttpClient::connect(addr).await.unwrap();
+        let big: Vec<u8> = (0..12_000_000u32).map(|i| (i % 251) as u8).collect();
+        let small = b"{\"a\":";
+        for pieces in [
+            vec![&small[..], &big[..], &b"}"[..]],
+            vec![&big[..1], &b""[..], &big[1..2_000_000]],
+            vec![&small[..]],
+        ] {
+            let (status, echoed) = client.request_parts("POST", "/x", &pieces).await.unwrap();
+            assert_eq!(status, 200);
+            assert_eq!(echoed, pieces.concat());
+        }
+        let (status, echoed) = client.request("GET", "/y", None).await.unwrap();
+        assert_eq!((status, echoed.len()), (200, 0));
     }
 }

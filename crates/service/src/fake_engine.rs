@@ -25,8 +25,8 @@ use futures::StreamExt;
 use kvroute_core::hash::{local_hashes, seed_for, sequence_hashes_from};
 use kvroute_wire::frames;
 use kvroute_wire::{
-    EncodeOptions, Encoding, EventBatch, HashEncoding, RawEvent, RawRemoved, RawStored,
-    encode_batch, vllm_extra_keys,
+    EncodeOptions, Encoding, EventBatch, HashEncoding, PackedRun, RawEvent, RawRemoved, RawStored,
+    encode_batch, encode_batch_packed, vllm_extra_keys,
 };
 use parking_lot::Mutex;
 use serde::Deserialize;
@@ -160,17 +160,33 @@ pub fn stored_event_with_hashes(
     hashes: Vec<u64>,
 ) -> (RawEvent, Vec<u64>) {
     let full_tokens = hashes.len() * blocks.block_size as usize;
-    let event = RawEvent::Stored(RawStored {
-        block_hashes: hashes.clone(),
+    let event = stored_raw(
+        blocks,
+        hashes.clone(),
+        blocks.token_ids[..full_tokens].to_vec(),
+    );
+    (event, hashes)
+}
+
+/// Like [`stored_event_with_hashes`] for blocks whose token ids go out packed
+/// ([`FakeEngine::publish_events_packed`]): the event's own list stays empty
+/// (`blocks.token_ids` is not looked at).
+pub fn stored_event_packed(blocks: &StoredBlocks<'_>, hashes: Vec<u64>) -> RawEvent {
+    stored_raw(blocks, hashes, Vec::new())
+}
+
+fn stored_raw(blocks: &StoredBlocks<'_>, hashes: Vec<u64>, token_ids: Vec<u32>) -> RawEvent {
+    let extra_keys = vllm_extra_keys(hashes.len(), blocks.lora_name, None);
+    RawEvent::Stored(RawStored {
+        block_hashes: hashes,
         parent_block_hash: blocks.parent,
-        token_ids: blocks.token_ids[..full_tokens].to_vec(),
+        token_ids,
         block_size: blocks.block_size,
         medium: Some(blocks.medium.unwrap_or("GPU").to_string()),
         lora_name: blocks.lora_name.map(str::to_string),
-        extra_keys: vllm_extra_keys(hashes.len(), blocks.lora_name, None),
+        extra_keys,
         ..RawStored::default()
-    });
-    (event, hashes)
+    })
 }
 
 /// A `BlockRemoved` of engine hashes from `medium` (`None` is the device).
@@ -371,6 +387,23 @@ impl FakeEngine {
             data_parallel_rank: self.data_parallel_rank,
         };
         self.publish_payload(encode_batch(&batch, self.options))
+            .await
+    }
+
+    /// Publishes one batch of events, the token ids of some `BlockStored` events packed
+    /// (`packed[i]` for event `i`, see [`kvroute_wire::encode_batch_packed`]); returns its
+    /// sequence number.
+    pub async fn publish_events_packed(
+        &mut self,
+        events: Vec<RawEvent>,
+        packed: &[Option<PackedRun<'_>>],
+    ) -> Result<u64, FakeEngineError> {
+        let batch = EventBatch {
+            ts: now_secs(),
+            events,
+            data_parallel_rank: self.data_parallel_rank,
+        };
+        self.publish_payload(encode_batch_packed(&batch, self.options, packed))
             .await
     }
 

@@ -54,12 +54,35 @@ pub fn encode_batch(batch: &EventBatch, options: EncodeOptions) -> Vec<u8> {
 
 /// Appends the encoding of a batch to `out` (reuse one buffer across batches).
 pub fn encode_batch_into(batch: &EventBatch, options: EncodeOptions, out: &mut Vec<u8>) {
+    encode_with_tokens(batch, options, &[], out);
+}
+
+/// Like [`encode_batch`], with the `token_ids` of some `BlockStored` events already packed:
+/// `packed[i]`, when given, is written as the token ids of event `i` (whose own `token_ids`
+/// are then not looked at); events without an entry write their own.
+pub fn encode_batch_packed(
+    batch: &EventBatch,
+    options: EncodeOptions,
+    packed: &[Option<PackedRun<'_>>],
+) -> Vec<u8> {
+    let extra: usize = packed.iter().flatten().map(|run| run.bytes.len()).sum();
+    let mut out = Vec::with_capacity(estimated_size(batch) + extra);
+    encode_with_tokens(batch, options, packed, &mut out);
+    out
+}
+
+fn encode_with_tokens(
+    batch: &EventBatch,
+    options: EncodeOptions,
+    packed: &[Option<PackedRun<'_>>],
+    out: &mut Vec<u8>,
+) {
     let mut w = Writer::new(out);
     match options.encoding {
         Encoding::Array => {
             w.array_len(3);
             w.f64(batch.ts);
-            events(&mut w, batch, options);
+            events(&mut w, batch, options, packed);
             opt_uint(&mut w, batch.data_parallel_rank.map(u64::from));
         }
         Encoding::Map => {
@@ -67,7 +90,7 @@ pub fn encode_batch_into(batch: &EventBatch, options: EncodeOptions, out: &mut V
             w.str("ts");
             w.f64(batch.ts);
             w.str("events");
-            events(&mut w, batch, options);
+            events(&mut w, batch, options, packed);
             if let Some(rank) = batch.data_parallel_rank {
                 w.str("data_parallel_rank");
                 w.uint(u64::from(rank));
@@ -89,11 +112,19 @@ fn estimated_size(batch: &EventBatch) -> usize {
     32 + per_event
 }
 
-fn events(w: &mut Writer<'_>, batch: &EventBatch, options: EncodeOptions) {
+fn events(
+    w: &mut Writer<'_>,
+    batch: &EventBatch,
+    options: EncodeOptions,
+    packed: &[Option<PackedRun<'_>>],
+) {
     w.array_len(batch.events.len());
-    for event in &batch.events {
+    for (i, event) in batch.events.iter().enumerate() {
         match event {
-            RawEvent::Stored(stored) => stored_event(w, stored, options),
+            RawEvent::Stored(stored) => {
+                let tokens = packed.get(i).copied().flatten();
+                stored_event(w, stored, options, tokens)
+            }
             RawEvent::Removed(removed) => removed_event(w, removed, options),
             RawEvent::Cleared => tag_only(w, "AllBlocksCleared", options.encoding),
             RawEvent::Unknown { tag } => tag_only(w, tag, options.encoding),
@@ -146,16 +177,26 @@ fn opt_str(w: &mut Writer<'_>, value: Option<&str>) {
 }
 
 /// One field writer per `BlockStored` field, in declaration order.
-fn stored_field(w: &mut Writer<'_>, s: &RawStored, index: usize, hashes: HashEncoding) {
+fn stored_field(
+    w: &mut Writer<'_>,
+    s: &RawStored,
+    index: usize,
+    hashes: HashEncoding,
+    tokens: Option<PackedRun<'_>>,
+) {
     match index {
         0 => hash_list(w, &s.block_hashes, hashes),
         1 => match s.parent_block_hash {
             Some(parent) => hash(w, parent, hashes),
             None => w.nil(),
         },
-        2 => {
-            w.token_ids(&s.token_ids);
-        }
+        2 => match tokens {
+            Some(run) => {
+                w.array_len(run.count);
+                w.raw(run.bytes);
+            }
+            None => w.token_ids(&s.token_ids),
+        },
         3 => w.uint(u64::from(s.block_size)),
         4 => opt_uint(w, s.lora_id),
         5 => opt_str(w, s.medium.as_deref()),
@@ -200,13 +241,18 @@ const STORED_NAMES: [&str; 11] = [
 /// Fields 0..7 have no default in vLLM and are always written; 7.. are omitted when `None`.
 const STORED_REQUIRED: usize = 7;
 
-fn stored_event(w: &mut Writer<'_>, s: &RawStored, options: EncodeOptions) {
+fn stored_event(
+    w: &mut Writer<'_>,
+    s: &RawStored,
+    options: EncodeOptions,
+    tokens: Option<PackedRun<'_>>,
+) {
     match options.encoding {
         Encoding::Array => {
             w.array_len(1 + STORED_NAMES.len());
             w.str("BlockStored");
             for index in 0..STORED_NAMES.len() {
-                stored_field(w, s, index, options.hashes);
+                stored_field(w, s, index, options.hashes, tokens);
             }
         }
         Encoding::Map => {
@@ -225,7 +271,7 @@ fn stored_event(w: &mut Writer<'_>, s: &RawStored, options: EncodeOptions) {
                     continue;
                 }
                 w.str(name);
-                stored_field(w, s, index, options.hashes);
+                stored_field(w, s, index, options.hashes, tokens);
             }
         }
     }
@@ -253,5 +299,134 @@ fn removed_event(w: &mut Writer<'_>, r: &RawRemoved, options: EncodeOptions) {
                 w.uint(u64::from(group));
             }
         }
+    }
+}
+
+/// A prompt's token ids written once in their msgpack form, for a publisher that sends the same
+/// prompts' blocks again and again (the load generator's fake engines): the ids of any run of
+/// whole blocks are then one copy instead of an encoding per id.
+#[derive(Debug, Clone, Default)]
+pub struct PackedTokens {
+    bytes: Vec<u8>,
+    /// Byte offset in `bytes` of every `block_size`-th id, then the end.
+    block_starts: Vec<usize>,
+    block_size: usize,
+    len: usize,
+}
+
+/// The packed ids of a run of blocks: what [`encode_batch_packed`] writes as `token_ids`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PackedRun<'a> {
+    bytes: &'a [u8],
+    count: usize,
+}
+
+impl PackedRun<'_> {
+    /// Ids in the run.
+    pub fn len(&self) -> usize {
+        self.count
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+}
+
+impl PackedTokens {
+    /// Packs `tokens`, cut in blocks of `block_size` (the last one may be partial).
+    pub fn new(tokens: &[u32], block_size: u32) -> Self {
+        let block_size = (block_size as usize).max(1);
+        let mut bytes = Vec::with_capacity(5 * tokens.len());
+        let mut block_starts = Vec::with_capacity(tokens.len().div_ceil(block_size) + 1);
+        for block in tokens.chunks(block_size) {
+            block_starts.push(bytes.len());
+            Writer::new(&mut bytes).token_values(block);
+        }
+        block_starts.push(bytes.len());
+        bytes.shrink_to_fit();
+        Self {
+            bytes,
+            block_starts,
+            block_size,
+            len: tokens.len(),
+        }
+    }
+
+    /// Ids packed.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The ids of blocks `first..end` (`None` past the last block or when `first > end`).
+    pub fn blocks(&self, first: usize, end: usize) -> Option<PackedRun<'_>> {
+        let from = *self.block_starts.get(first)?;
+        let to = *self.block_starts.get(end)?;
+        let bytes = self.bytes.get(from..to)?;
+        let count = (end * self.block_size).min(self.len) - (first * self.block_size).min(self.len);
+        Some(PackedRun { bytes, count })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stored(tokens: Vec<u32>, blocks: usize) -> RawEvent {
+        RawEvent::Stored(RawStored {
+            block_hashes: (0..blocks as u64).map(|b| b * 7 + 1).collect(),
+            parent_block_hash: Some(99),
+            token_ids: tokens,
+            block_size: 4,
+            medium: Some("GPU".into()),
+            ..RawStored::default()
+        })
+    }
+
+    #[test]
+    fn packed_token_runs_encode_as_the_ids_themselves() {
+        // Every width: fixint, uint8, uint16, uint32.
+        let tokens: Vec<u32> = (0..30u32)
+            .map(|i| [5, 200, 40_000, 151_000, 4_000_000_000][i as usize % 5] + i)
+            .collect();
+        let packed = PackedTokens::new(&tokens, 4);
+        assert_eq!(packed.len(), 30);
+        for encoding in [Encoding::Array, Encoding::Map] {
+            let options = EncodeOptions {
+                encoding,
+                ..EncodeOptions::default()
+            };
+            // Whole blocks from the start, from the middle, and to the partial last block.
+            for (first, end) in [(0, 7), (2, 5), (3, 8), (7, 8), (4, 4)] {
+                let own = &tokens[first * 4..(end * 4).min(tokens.len())];
+                let blocks = own.len() / 4;
+                let plain = EventBatch {
+                    ts: 1.5,
+                    events: vec![stored(own.to_vec(), blocks), RawEvent::Cleared],
+                    data_parallel_rank: Some(1),
+                };
+                let mut light = plain.clone();
+                light.events[0] = stored(Vec::new(), blocks);
+                let run = packed.blocks(first, end).unwrap();
+                assert_eq!(run.len(), own.len());
+                assert_eq!(
+                    encode_batch_packed(&light, options, &[Some(run)]),
+                    encode_batch(&plain, options),
+                    "{encoding:?} blocks {first}..{end}"
+                );
+                // No entry: the event's own ids.
+                assert_eq!(
+                    encode_batch_packed(&plain, options, &[None]),
+                    encode_batch(&plain, options)
+                );
+            }
+        }
+        assert!(packed.blocks(0, 9).is_none());
+        assert!(packed.blocks(5, 3).is_none());
+        assert!(packed.blocks(8, 8).unwrap().is_empty());
+        assert!(PackedTokens::new(&[], 4).blocks(0, 0).unwrap().is_empty());
     }
 }

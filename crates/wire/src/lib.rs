@@ -89,7 +89,10 @@ pub use convert::{
     convert_stored_with_seed, feeds_index, stored_seed, to_kv_events,
 };
 pub use decode::decode_batch;
-pub use encode::{EncodeOptions, Encoding, HashEncoding, encode_batch, encode_batch_into};
+pub use encode::{
+    EncodeOptions, Encoding, HashEncoding, PackedRun, PackedTokens, encode_batch,
+    encode_batch_into, encode_batch_packed,
+};
 pub use error::WireError;
 pub use event::{EventBatch, ExtraKey, RawEvent, RawRemoved, RawStored, vllm_extra_keys};
 pub use msgpack::MAX_DEPTH;

@@ -668,8 +668,13 @@ impl<'a> Writer<'a> {
     /// Writes an array of token ids, each in its shortest form (as [`uint`](Self::uint) would),
     /// through a stack buffer: every id is one whole-word store, with no branch on its width.
     pub(crate) fn token_ids(&mut self, tokens: &[u32]) {
-        const CHUNK: usize = 256;
         self.array_len(tokens.len());
+        self.token_values(tokens);
+    }
+
+    /// The elements of [`token_ids`](Self::token_ids) without the array header.
+    pub(crate) fn token_values(&mut self, tokens: &[u32]) {
+        const CHUNK: usize = 256;
         self.out.reserve(5 * tokens.len());
         let mut buf = [0u8; 5 * CHUNK + 8];
         for chunk in tokens.chunks(CHUNK) {
@@ -684,6 +689,11 @@ impl<'a> Writer<'a> {
             }
             self.out.extend_from_slice(&buf[..n]);
         }
+    }
+
+    /// Appends bytes that already are msgpack values.
+    pub(crate) fn raw(&mut self, bytes: &[u8]) {
+        self.out.extend_from_slice(bytes);
     }
 
     /// Writes a signed integer in its shortest form (non-negative values as unsigned, as
