@@ -41,6 +41,11 @@ fn bench_parts(c: &mut Criterion) {
     c.bench_function("token_array_8192", |b| {
         b.iter(|| kvroute_service::http::json::parse_token_array(black_box(array.as_bytes())))
     });
+    c.bench_function("token_array_8192_portable", |b| {
+        b.iter(|| {
+            kvroute_service::http::json::parse_token_array_portable(black_box(array.as_bytes()))
+        })
+    });
     let spaced = array.replace(',', ", ");
     c.bench_function("token_array_8192_spaced", |b| {
         b.iter(|| kvroute_service::http::json::parse_token_array(black_box(spaced.as_bytes())))
