@@ -253,7 +253,10 @@ fn synthetic_prompts(cap: usize) -> Vec<Vec<u32>> {
 /// right parent and evict like a full KV pool.
 struct Engine {
     engine: FakeEngine,
-    /// Held blocks, each with its position in the order of insertion.
+    /// Blocks, each with its position in the order of insertion: held when the position is not
+    /// below `evicted`. Evicted entries stay until the map has twice the capacity and is pruned
+    /// in one pass: removing each as it is evicted cost a cache miss per block (the oldest
+    /// entries are the coldest), a sixth of the fake engines' CPU.
     held: HashMap<u64, u64>,
     /// Held blocks, oldest first; evicting takes from the front.
     order: VecDeque<u64>,
@@ -293,7 +296,7 @@ impl Engine {
         let mut oldest = u64::MAX;
         let mut have = 0;
         for h in sequence {
-            let Some(&position) = self.held.get(h) else {
+            let Some(&position) = self.held.get(h).filter(|&&p| p >= self.evicted) else {
                 break;
             };
             oldest = oldest.min(position);
@@ -314,21 +317,27 @@ impl Engine {
                 ..StoredBlocks::default()
             };
             for &h in &sequence[have..] {
-                // A hash repeated inside the prompt, or held past a missing one, keeps its place.
-                let position = *self.held.entry(h).or_insert_with(|| {
+                // A hash repeated inside the prompt, or held past a missing one, keeps its place;
+                // an evicted one (already out of `order`) comes back at the end.
+                let position = self.held.entry(h).or_insert(u64::MAX);
+                if *position == u64::MAX || *position < self.evicted {
+                    *position = self.next_position;
                     self.order.push_back(h);
                     self.next_position += 1;
-                    self.next_position - 1
-                });
-                oldest = oldest.min(position);
+                }
+                oldest = oldest.min(*position);
             }
             let mut evicted = Vec::new();
+            // `order` holds positions `evicted..next_position` in order: its front is the oldest.
             while self.order.len() > self.capacity {
                 if let Some(h) = self.order.pop_front() {
-                    self.held.remove(&h);
                     self.evicted += 1;
                     evicted.push(h);
                 }
+            }
+            if self.held.len() > 2 * self.capacity {
+                let horizon = self.evicted;
+                self.held.retain(|_, position| *position >= horizon);
             }
             let hashes = sequence[have..].to_vec();
             match packed {
@@ -465,6 +474,70 @@ async fn start_engines(args: &LoadgenArgs) -> Result<Option<Engines>, String> {
 
 #[cfg(test)]
 mod tests {
+    use super::{Engine, PackedTokens, PromptTokens, Step};
+    use kvroute_wire::RawEvent;
+
+    /// The fake engine's pool against a plain FIFO of held hashes: each prompt stores what the
+    /// pool lacks from its first missing block on, and evicts the oldest past the capacity.
+    #[tokio::test]
+    async fn fake_engine_pools_store_and_evict_as_a_fifo_does() {
+        let engine = kvroute_service::fake_engine::FakeEngine::bind(
+            "tcp://127.0.0.1:0",
+            None,
+            kvroute_wire::Encoding::Array,
+        )
+        .await
+        .unwrap();
+        let capacity = 24;
+        let mut pool = Engine {
+            engine,
+            held: Default::default(),
+            order: Default::default(),
+            evicted: 0,
+            next_position: 0,
+            cached_from: Default::default(),
+            capacity,
+            block_size: 2,
+        };
+        let mut model: std::collections::VecDeque<u64> = Default::default();
+        let mut seed = 7u64;
+        for round in 0..3000 {
+            seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            // Prompts of 1..12 blocks over a small alphabet: shared prefixes and repeats.
+            let blocks = (seed >> 33) % 12 + 1;
+            let sequence: Vec<u64> = (0..blocks).map(|b| (seed >> (b % 20)) % 40 + 1).collect();
+            let tokens: Vec<u32> = (0..2 * blocks as u32).collect();
+            let packed = PackedTokens::new(&tokens, 2);
+            let mut step = Step::default();
+            pool.cache_prompt(None, PromptTokens::Packed(&packed), &sequence, &mut step);
+
+            let have = sequence.iter().take_while(|h| model.contains(h)).count();
+            for h in &sequence[have..] {
+                if !model.contains(h) {
+                    model.push_back(*h);
+                }
+            }
+            let mut evicted = Vec::new();
+            while model.len() > capacity {
+                evicted.extend(model.pop_front());
+            }
+            let mut stored = Vec::new();
+            let mut removed = Vec::new();
+            for event in &step.events {
+                match event {
+                    RawEvent::Stored(s) => stored.extend_from_slice(&s.block_hashes),
+                    RawEvent::Removed(r) => removed.extend_from_slice(&r.block_hashes),
+                    _ => {}
+                }
+            }
+            assert_eq!(stored, sequence[have..], "round {round}");
+            assert_eq!(removed, evicted, "round {round}");
+            let held: Vec<u64> = pool.order.iter().copied().collect();
+            assert_eq!(held, Vec::from(model.clone()), "round {round}");
+            assert!(pool.held.len() <= 2 * capacity + sequence.len());
+        }
+    }
+
     #[test]
     fn prepared_prompts_match_serde_and_the_hashes() {
         let prompts: Vec<Vec<u32>> = (0..37u32)
