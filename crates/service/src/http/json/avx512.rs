@@ -172,7 +172,8 @@ mod tests {
     #[test]
     fn plain_lists_read_as_the_portable_reader_does() {
         if !available() {
-            eprintln!("no AVX-512 VBMI2 here: nothing to compare");
+            // Without the features the reader declines everything.
+            assert_eq!(vector(&"1,".repeat(100)[..199]), None);
             return;
         }
         let mut seed = 0x9e37_79b9_7f4a_7c15u64;
@@ -211,6 +212,7 @@ mod tests {
     #[test]
     fn anything_not_plain_is_left_to_the_portable_reader() {
         if !available() {
+            assert_eq!(vector("1,2"), None);
             return;
         }
         for separator in [",", ", "] {
