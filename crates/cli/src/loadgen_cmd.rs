@@ -9,6 +9,7 @@
 
 use clap::{Args, ValueEnum};
 use hashbrown::HashMap;
+use hashbrown::hash_map::Entry;
 use kvroute_core::hash::{BASE_SEED, PromptHashes};
 use kvroute_service::client::HttpClient;
 use kvroute_service::fake_engine::{
@@ -141,8 +142,8 @@ fn trace_prompts(path: &PathBuf, cap: usize) -> Result<Vec<Vec<u32>>, String> {
     Ok(prompts)
 }
 
-/// A prompt's select-body tail and its block hashes.
-type Prepared = (String, Vec<u64>, PackedTokens);
+/// A prompt's select-body tail, its block hashes and its packed ids (when asked for).
+type Prepared = (String, Vec<u64>, Option<PackedTokens>);
 
 /// Each prompt's select-body tail (its token array and the closing brace), its block hashes and,
 /// with `pack`, its packed ids, in prompt order, prepared on all available cores.
@@ -160,7 +161,7 @@ fn prepare_prompts(
             .map(|p| {
                 let hashes = PromptHashes::from_tokens(p, block_size, BASE_SEED).sequence;
                 let packed = pack.then(|| PackedTokens::new(p, block_size as u32));
-                (token_array_tail(p), hashes, packed.unwrap_or_default())
+                (token_array_tail(p), hashes, packed)
             })
             .collect()
     };
@@ -181,9 +182,7 @@ fn prepare_prompts(
     for (body, hashes, packed) in parts?.into_iter().flatten() {
         prepared.bodies.push(body);
         prepared.sequences.push(hashes);
-        if pack {
-            prepared.packed.push(packed);
-        }
+        prepared.packed.extend(packed);
     }
     Ok(prepared)
 }
@@ -319,13 +318,17 @@ impl Engine {
             for &h in &sequence[have..] {
                 // A hash repeated inside the prompt, or held past a missing one, keeps its place;
                 // an evicted one (already out of `order`) comes back at the end.
-                let position = self.held.entry(h).or_insert(u64::MAX);
-                if *position == u64::MAX || *position < self.evicted {
-                    *position = self.next_position;
-                    self.order.push_back(h);
-                    self.next_position += 1;
-                }
-                oldest = oldest.min(*position);
+                let position = match self.held.entry(h) {
+                    Entry::Occupied(held) if *held.get() >= self.evicted => *held.get(),
+                    entry => {
+                        let position = self.next_position;
+                        entry.insert(position);
+                        self.order.push_back(h);
+                        self.next_position += 1;
+                        position
+                    }
+                };
+                oldest = oldest.min(position);
             }
             let mut evicted = Vec::new();
             // `order` holds positions `evicted..next_position` in order: its front is the oldest.

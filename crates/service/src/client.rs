@@ -2,6 +2,7 @@
 //! real-socket tests. It speaks just enough HTTP for this API: `Content-Length` bodies, no
 //! chunked encoding, no TLS. Every read is bounded by a timeout.
 
+use std::io::IoSlice;
 use std::net::SocketAddr;
 use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
@@ -102,27 +103,17 @@ impl HttpClient {
         // Head and body in one write where the socket takes them (a head sent alone would reach
         // the server as a segment of its own, and wake it once more for the body).
         let stream = self.stream.get_mut();
-        let mut pieces: Vec<&[u8]> = Vec::with_capacity(1 + rest.len());
-        pieces.push(&self.head);
-        pieces.extend(rest.iter().copied().filter(|b| !b.is_empty()));
-        let mut first = 0;
-        let mut offset = 0;
-        while first < pieces.len() {
-            let slices: Vec<std::io::IoSlice<'_>> = std::iter::once(&pieces[first][offset..])
-                .chain(pieces[first + 1..].iter().copied())
-                .map(std::io::IoSlice::new)
-                .collect();
-            let mut written = stream.write_vectored(&slices).await?;
+        let mut slices: Vec<IoSlice<'_>> = std::iter::once(&self.head[..])
+            .chain(rest.iter().copied().filter(|b| !b.is_empty()))
+            .map(IoSlice::new)
+            .collect();
+        let mut unsent = &mut slices[..];
+        while !unsent.is_empty() {
+            let written = stream.write_vectored(unsent).await?;
             if written == 0 {
                 return Err(ClientError::Io(std::io::ErrorKind::WriteZero.into()));
             }
-            // Step past what went out.
-            while first < pieces.len() && written >= pieces[first].len() - offset {
-                written -= pieces[first].len() - offset;
-                first += 1;
-                offset = 0;
-            }
-            offset += written;
+            IoSlice::advance_slices(&mut unsent, written);
         }
         let mut line = String::new();
         if self.stream.read_line(&mut line).await? == 0 {

@@ -169,39 +169,45 @@ fn skip_ws(bytes: &[u8], mut i: usize) -> usize {
 /// Where the CPU has AVX-512 VBMI2, plain lists of 256 bytes and more are read 64 bytes at a
 /// time (module `avx512`); everything else as [`parse_token_array_portable`] does.
 pub fn parse_token_array(bytes: &[u8]) -> Option<(Vec<u32>, usize)> {
+    let (body, len) = array_contents(bytes)?;
     #[cfg(target_arch = "x86_64")]
-    if let Some(end) = (bytes.first() == Some(&b'['))
-        .then(|| memchr::memchr(b']', bytes))
-        .flatten()
-        && end > VECTOR_FROM_BYTES
-    {
-        let body = &bytes[1..end];
+    if body.len() >= VECTOR_FROM_BYTES {
         let total = memchr::memchr_iter(b',', body).count() + 1;
         if let Some(ids) = avx512::token_list(body, total) {
-            return Some((ids, end + 1));
+            return Some((ids, len));
         }
     }
-    parse_token_array_portable(bytes)
+    Some((list_ids(body)?, len))
 }
 
 /// [`parse_token_array`] on any CPU.
-///
-/// Long arrays are cut at a comma near the middle and the two halves read in one interleaved
-/// loop: reading an id must finish before the next one's start is known, so one cursor leaves
-/// the CPU waiting, and two keep it busy; arrays of 1 KiB and more are cut in four.
 pub fn parse_token_array_portable(bytes: &[u8]) -> Option<(Vec<u32>, usize)> {
+    let (body, len) = array_contents(bytes)?;
+    Some((list_ids(body)?, len))
+}
+
+/// What lies between an array's brackets at the start of `bytes`, and the array's length.
+fn array_contents(bytes: &[u8]) -> Option<(&[u8], usize)> {
     if bytes.first() != Some(&b'[') {
         return None;
     }
     let end = memchr::memchr(b']', bytes)?;
-    let body = &bytes[1..end];
+    Some((&bytes[1..end], end + 1))
+}
+
+/// The ids of a list's contents, the portable way.
+///
+/// Long lists are cut at a comma near the middle and the two halves read in one interleaved
+/// loop: reading an id must finish before the next one's start is known, so one cursor leaves
+/// the CPU waiting, and two keep it busy; lists of 1 KiB and more are cut in four.
+fn list_ids(body: &[u8]) -> Option<Vec<u32>> {
     if skip_ws(body, 0) == body.len() {
-        return Some((Vec::new(), end + 1));
+        return Some(Vec::new());
     }
     if body.len() >= FOUR_LANES_FROM_BYTES
         && let Some(cuts) = quarter_cuts(body)
     {
-        return Some((four_lanes(body, cuts)?, end + 1));
+        return four_lanes(body, cuts);
     }
     // A valid list has one id more than it has commas: each half fills exactly its share.
     let mut out = vec![0u32; memchr::memchr_iter(b',', body).count() + 1];
@@ -220,7 +226,7 @@ pub fn parse_token_array_portable(bytes: &[u8]) -> Option<(Vec<u32>, usize)> {
             second.finish()?;
         }
     }
-    Some((out, end + 1))
+    Some(out)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -248,7 +254,7 @@ fn quarter_cuts(body: &[u8]) -> Option<[usize; 3]> {
 const FOUR_LANES_FROM_BYTES: usize = 1024;
 
 /// The ids of a list's contents, in four lanes cut at commas near its quarters, interleaved as
-/// the two halves are in [`parse_token_array`]: four independent chains of loads keep the core
+/// the two halves are in [`list_ids`]: four independent chains of loads keep the core
 /// busier than two.
 fn four_lanes(body: &[u8], cuts: [usize; 3]) -> Option<Vec<u32>> {
     let parts = [

@@ -1,14 +1,14 @@
 //! Token-id lists read 64 bytes at a time with AVX-512 (VBMI2), where the CPU has it.
 //!
-//! The portable reader ([`super::parse_token_array_portable`]) takes one id per step, ~35 instructions
-//! each. Here one window of 64 bytes, starting at an id, is classified with three compares;
-//! the positions of its commas are packed into one vector (`vpcompressb`), and its complete ids
-//! are gathered eight at a time into 64-bit lanes, right-aligned (`vpermb`), and converted with
-//! two multiply-adds and one multiply: a dozen vector instructions for eight ids.
+//! The portable reader ([`super::parse_token_array_portable`]) takes one id per step, ~35
+//! instructions each. Here one window of 64 bytes, starting at an id, is classified with three
+//! compares; the positions of its commas are packed into one vector (`vpcompressb`), and its
+//! complete ids are gathered eight at a time into 64-bit lanes, right-aligned (`vpermb`), and
+//! converted with two multiply-adds and one multiply: a dozen vector instructions for eight ids.
 //!
 //! Only plain lists are taken: ids of 1 to 8 digits without leading zeros, separated by a comma
-//! or a comma and one space (`json.dumps`' default), no other whitespace. Anything else returns `None` and the caller reads the list the
-//! portable way, which also decides what is an error.
+//! or a comma and one space (`json.dumps`' default), no other whitespace. Anything else returns
+//! `None` and the caller reads the list the portable way, which also decides what is an error.
 #![allow(unsafe_code)]
 
 use std::arch::x86_64::*;
