@@ -8,7 +8,8 @@
 //!
 //! Hashing is linear in the prompt length; a 131,072-token prompt is 512 KiB of input.
 
-use xxhash_rust::xxh3::xxh3_64_with_seed;
+use xxhash_rust::const_xxh3::const_custom_default_secret;
+use xxhash_rust::xxh3::{xxh3_64_with_secret, xxh3_64_with_seed};
 
 /// The seed of every hash when no LoRA adapter and no cache salt apply.
 pub const BASE_SEED: u64 = 1337;
@@ -25,28 +26,77 @@ pub fn seed_for(lora_name: Option<&str>, cache_salt: Option<&str>) -> u64 {
     seed
 }
 
-/// Hash of one block of tokens with the given seed.
-#[cfg(target_endian = "little")]
-pub fn block_hash(tokens: &[u32], seed: u64) -> u64 {
-    // On little-endian machines the in-memory bytes of the tokens are their LE encoding.
-    xxh3_64_with_seed(bytemuck::cast_slice(tokens), seed)
+/// Inputs longer than this take XXH3's long path, where a seed only selects a secret derived
+/// from it: hashing with that secret gives the seeded hash without deriving it on every call.
+const XXH3_MID_SIZE_MAX: usize = 240;
+
+/// The secret XXH3 derives from [`BASE_SEED`], derived once at compile time.
+const BASE_SECRET: [u8; 192] = const_custom_default_secret(BASE_SEED);
+
+/// A seed ready for many hashes: `xxh3_64_with_seed` for any input, with the long path's
+/// secret derived once.
+struct Seeded {
+    seed: u64,
+    secret: [u8; 192],
+}
+
+impl Seeded {
+    fn new(seed: u64) -> Self {
+        let secret = if seed == BASE_SEED {
+            BASE_SECRET
+        } else {
+            const_custom_default_secret(seed)
+        };
+        Self { seed, secret }
+    }
+
+    /// Equals `xxh3_64_with_seed(bytes, self.seed)`.
+    fn hash(&self, bytes: &[u8]) -> u64 {
+        if bytes.len() > XXH3_MID_SIZE_MAX {
+            xxh3_64_with_secret(bytes, &self.secret)
+        } else {
+            xxh3_64_with_seed(bytes, self.seed)
+        }
+    }
+
+    fn block(&self, tokens: &[u32]) -> u64 {
+        #[cfg(target_endian = "little")]
+        {
+            // On little-endian machines the in-memory bytes of the tokens are their LE encoding.
+            self.hash(bytemuck::cast_slice(tokens))
+        }
+        #[cfg(not(target_endian = "little"))]
+        {
+            let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+            self.hash(&bytes)
+        }
+    }
 }
 
 /// Hash of one block of tokens with the given seed.
-#[cfg(not(target_endian = "little"))]
 pub fn block_hash(tokens: &[u32], seed: u64) -> u64 {
-    let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
-    xxh3_64_with_seed(&bytes, seed)
+    if seed == BASE_SEED {
+        // The usual seed: its secret is a constant.
+        BASE_SEEDED.block(tokens)
+    } else {
+        Seeded::new(seed).block(tokens)
+    }
 }
+
+static BASE_SEEDED: Seeded = Seeded {
+    seed: BASE_SEED,
+    secret: BASE_SECRET,
+};
 
 /// Local hashes of every full block of `tokens`. Returns an empty vector for `block_size == 0`.
 pub fn local_hashes(tokens: &[u32], block_size: usize, seed: u64) -> Vec<u64> {
     if block_size == 0 {
         return Vec::new();
     }
+    let seeded = Seeded::new(seed);
     tokens
         .chunks_exact(block_size)
-        .map(|block| block_hash(block, seed))
+        .map(|block| seeded.block(block))
         .collect()
 }
 
@@ -109,6 +159,44 @@ mod tests {
 
     fn tokens_1_to_17() -> Vec<u32> {
         (1..=17).collect()
+    }
+
+    #[test]
+    fn seeded_hashes_equal_xxh3_with_seed_on_every_path() {
+        // Lengths around each of XXH3's size classes (0-16, 17-128, 129-240, long), seeds
+        // including 0, the base seed and LoRA/salt-derived ones.
+        let bytes: Vec<u8> = (0..2000u32)
+            .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+            .collect();
+        let seeds = [
+            0,
+            1,
+            BASE_SEED,
+            seed_for(Some("adapter"), None),
+            seed_for(None, Some("salt")),
+            u64::MAX,
+        ];
+        for seed in seeds {
+            let seeded = Seeded::new(seed);
+            for len in (0..=300).chain([511, 512, 1024, 1025, 2000]) {
+                assert_eq!(
+                    seeded.hash(&bytes[..len]),
+                    xxh3_64_with_seed(&bytes[..len], seed),
+                    "seed {seed}, {len} bytes"
+                );
+            }
+        }
+        let tokens: Vec<u32> = (0..512).map(|i| i * 7919).collect();
+        for block_size in [1, 16, 60, 61, 64, 128] {
+            for seed in seeds {
+                let expected: Vec<u64> = tokens
+                    .chunks_exact(block_size)
+                    .map(|block| xxh3_64_with_seed(bytemuck::cast_slice(block), seed))
+                    .collect();
+                assert_eq!(local_hashes(&tokens, block_size, seed), expected);
+                assert_eq!(block_hash(&tokens[..block_size], seed), expected[0]);
+            }
+        }
     }
 
     #[test]

@@ -22,11 +22,12 @@
 //! 0 (a decay can ask for fewer blocks than a shared prefix still holds).
 //!
 //! # Invariants
-//! - A rank has state iff it has at least one live booking; its `blocks` map holds, for each
-//!   hash of its live bookings' `sequence_hashes`, the number of occurrences (≥ 1).
-//! - `holders[h]` lists exactly the rank slots whose `blocks` contain `h`, and each such entry's
-//!   `holder_index` is its position there. This inverted index lets [`LoadTracker::potential_decode`]
-//!   answer for every rank in one pass over the prompt.
+//! - A rank has state iff it has at least one live booking.
+//! - `holders[h]` lists, sorted by slot, exactly the rank slots whose live bookings'
+//!   `sequence_hashes` contain `h`, each with the number of occurrences (≥ 1); a rank's
+//!   `distinct_blocks` is the number of lists naming its slot. One lookup books or frees a block,
+//!   and this inverted index lets [`LoadTracker::potential_decode`] answer for every rank in one
+//!   pass over the prompt.
 //! - A rank's `private_blocks`, `prefill_tokens` and `requests` are the sums over its live bookings
 //!   of their `private`, active prefill tokens and 1.
 //! - The idle index, ordered by `(last_touched, serial)`, holds exactly one element per live
@@ -36,7 +37,8 @@
 //! # Complexity
 //! `P` = blocks in a prompt, `n` = live bookings, `R` = ranks with bookings. Hash maps are O(1)
 //! expected.
-//! - `book` and `free`: O(P + log n). `prefill_complete` and `output_block`: O(log n) (re-keying
+//! - `book` and `free`: O(P + log n) while few ranks share a block; a block held by `h` ranks
+//!   costs O(log h) to find the rank in its sorted holder list and O(h) to insert or remove it. `prefill_complete` and `output_block`: O(log n) (re-keying
 //!   the idle index).
 //! - `expire`: O((k + 1) log n + freed blocks) for `k` expired bookings; it never scans live ones.
 //! - `free_rank` / `free_worker`: O(n) scan plus the frees (worker deletion is rare).
@@ -47,7 +49,8 @@
 //!   overlap, typically a shared prefix on a few ranks), then O(1) per rank.
 //!
 //! Memory: per live booking one map slot, one idle-index node and its shared `Arc` of hashes; per
-//! (rank, distinct hash) pair one `blocks` slot and one `holders` entry.
+//! distinct hash one `holders` slot with two holders inline, beyond that 8 bytes per (rank, hash)
+//! pair.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -193,11 +196,11 @@ impl LoadTracker {
         };
 
         let slot = self.ranks.slot_or_insert(booking.rank);
-        self.ranks
-            .reserve_blocks(slot, booking.sequence_hashes.len());
+        self.ranks.reserve_blocks(booking.sequence_hashes.len());
         let mut shared_blocks = 0;
+        let mut hint = 0;
         for &hash in booking.sequence_hashes.iter() {
-            if self.ranks.add_block(slot, hash) {
+            if self.ranks.add_block(slot, hash, &mut hint) {
                 shared_blocks += 1;
             }
         }
@@ -400,11 +403,12 @@ impl LoadTracker {
         isl_tokens: u64,
         block_size: u32,
     ) -> u64 {
+        let slot = self.ranks.slot_of.get(&rank).copied();
         let state = self.ranks.get(rank);
         let mut seen = HashSet::with_capacity(sequence_hashes.len());
         let mut new_blocks: u64 = 0;
         for &hash in sequence_hashes {
-            if seen.insert(hash) && !state.is_some_and(|s| s.blocks.contains_key(&hash)) {
+            if seen.insert(hash) && !slot.is_some_and(|slot| self.ranks.holds(slot, hash)) {
                 new_blocks += 1;
             }
         }
@@ -434,7 +438,7 @@ impl LoadTracker {
         let mut seen = HashSet::with_capacity(sequence_hashes.len());
         // Consecutive blocks of a shared prefix are usually held by the same ranks in the same
         // order: count such a run once per rank instead of once per block and rank.
-        let mut run: Option<(&[usize], u64)> = None;
+        let mut run: Option<(&[Holder], u64)> = None;
         for &hash in sequence_hashes {
             if !seen.insert(hash) {
                 continue;
@@ -444,7 +448,7 @@ impl LoadTracker {
                 continue;
             };
             match &mut run {
-                Some((previous, length)) if *previous == holders.as_slice() => *length += 1,
+                Some((previous, length)) if same_slots(previous, holders) => *length += 1,
                 _ => {
                     add_run(&mut held_by_slot, run);
                     run = Some((holders.as_slice(), 1));
@@ -493,8 +497,9 @@ impl LoadTracker {
         self.idle_order
             .remove(&(state.view.last_touched, state.serial));
         if let Some(&slot) = self.ranks.slot_of.get(&state.view.rank) {
+            let mut hint = 0;
             for &hash in state.view.sequence_hashes.iter() {
-                self.ranks.remove_block(slot, hash);
+                self.ranks.remove_block(slot, hash, &mut hint);
             }
             if let Some(rank) = self.ranks.state_mut(slot) {
                 rank.private_blocks -= state.private_blocks;
@@ -551,14 +556,20 @@ impl PotentialDecode<'_> {
 }
 
 /// Credits `length` held blocks to each rank slot of a run.
-fn add_run(held_by_slot: &mut [u64], run: Option<(&[usize], u64)>) {
-    if let Some((slots, length)) = run {
-        for &slot in slots {
-            if let Some(count) = held_by_slot.get_mut(slot) {
+fn add_run(held_by_slot: &mut [u64], run: Option<(&[Holder], u64)>) {
+    if let Some((holders, length)) = run {
+        for holder in holders {
+            if let Some(count) = held_by_slot.get_mut(holder_slot(*holder) as usize) {
                 *count += length;
             }
         }
     }
+}
+
+/// Whether two holder lists name the same ranks (whatever their counts).
+fn same_slots(a: &[Holder], b: &[Holder]) -> bool {
+    // Equal counts too is the usual case (one `memcmp`); otherwise compare the slot halves.
+    a == b || (a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x ^ y) >> 32 == 0))
 }
 
 fn not_found(reservation_id: &str) -> LoadError {
@@ -601,24 +612,38 @@ fn clamp_blocks(blocks: i128) -> u64 {
 #[derive(Debug)]
 struct RankState {
     rank: Rank,
-    /// Full prompt blocks of the live bookings: sequence hash → reference.
-    blocks: HashMap<u64, HeldBlock>,
+    /// Distinct full-block hashes of the live bookings (the holders entries naming this slot).
+    distinct_blocks: u64,
     private_blocks: i128,
     prefill_tokens: u128,
     requests: u64,
 }
 
-#[derive(Debug, Clone, Copy)]
-struct HeldBlock {
-    /// Occurrences of the hash across the rank's live bookings.
-    refcount: u64,
-    /// Position of this rank's slot in `RankTable::holders[hash]`.
-    holder_index: usize,
+/// One rank's references to a block in one word: its slot in the high half, in the low half how
+/// often the block occurs in the rank's live bookings (≥ 1). Words sort by slot, and two lists
+/// with equal words name the same ranks (compared as plain integers, i.e. with `memcmp`). A count
+/// cannot overflow: 2^32 occurrences would take a request body of many gigabytes, far beyond any
+/// body limit.
+type Holder = u64;
+
+fn holder(slot: u32, refcount: u32) -> Holder {
+    (u64::from(slot) << 32) | u64::from(refcount)
 }
+
+fn holder_slot(holder: Holder) -> u32 {
+    (holder >> 32) as u32
+}
+
+fn holder_count(holder: Holder) -> u32 {
+    holder as u32
+}
+
+/// The ranks holding a block, sorted by slot.
+type HolderList = SmallVec<[Holder; 2]>;
 
 impl RankState {
     fn raw_decode_blocks(&self) -> i128 {
-        i128::from(self.blocks.len() as u64) + self.private_blocks
+        i128::from(self.distinct_blocks) + self.private_blocks
     }
 
     fn load(&self) -> RankLoad {
@@ -630,25 +655,52 @@ impl RankState {
     }
 }
 
-/// Rank states in a slab (slots are reused once a rank has no bookings), plus the inverted index
-/// from block hash to the slots holding it.
+/// Rank states in a slab (slots are reused once a rank has no bookings), plus one map from block
+/// hash to the slots holding it with their reference counts: booking or freeing a block is one
+/// lookup, and the same map answers [`LoadTracker::potential_decode`].
 #[derive(Debug, Default)]
 struct RankTable {
     slots: Vec<Option<RankState>>,
     free_slots: Vec<usize>,
     slot_of: HashMap<Rank, usize>,
-    holders: HashMap<u64, SmallVec<[usize; 2]>>,
-    /// Emptied block maps of departed ranks, kept for the next rank that gets a booking: in a
-    /// fleet where most ranks hold zero or one booking at a time, every booking would otherwise
-    /// grow a new map from nothing. At most [`SPARE_BLOCK_MAPS`] of them, each at most
-    /// [`SPARE_BLOCK_MAP_CAPACITY`] slots.
-    spare_block_maps: Vec<HashMap<u64, HeldBlock>>,
+    holders: HashMap<u64, HolderList>,
 }
 
-/// Spare block maps kept (see [`RankTable::spare_block_maps`]).
-const SPARE_BLOCK_MAPS: usize = 64;
-/// Largest spare block map kept, in entries (a map grown by a huge prompt is dropped instead).
-const SPARE_BLOCK_MAP_CAPACITY: usize = 1 << 14;
+/// Where `slot` is (or would go) in a sorted holder list.
+fn holder_position(list: &[Holder], slot: u32) -> Result<usize, usize> {
+    // Most blocks are held by one or two ranks: a scan beats a binary search there.
+    if list.len() <= 8 {
+        for (i, holder) in list.iter().enumerate() {
+            if holder_slot(*holder) >= slot {
+                return if holder_slot(*holder) == slot {
+                    Ok(i)
+                } else {
+                    Err(i)
+                };
+            }
+        }
+        return Err(list.len());
+    }
+    list.binary_search_by_key(&slot, |holder| holder_slot(*holder))
+}
+
+/// [`holder_position`], trying `hint` first: consecutive blocks of a prompt are usually held by
+/// the same ranks, so the rank's position in one block's list is its position in the next.
+fn holder_position_near(list: &[Holder], slot: u32, hint: usize) -> Result<usize, usize> {
+    match list.get(hint) {
+        Some(&at) if holder_slot(at) == slot => return Ok(hint),
+        at if at.is_none_or(|&at| holder_slot(at) > slot)
+            && (hint == 0
+                || list
+                    .get(hint - 1)
+                    .is_some_and(|&before| holder_slot(before) < slot)) =>
+        {
+            return Err(hint);
+        }
+        _ => {}
+    }
+    holder_position(list, slot)
+}
 
 impl RankTable {
     fn get(&self, rank: Rank) -> Option<&RankState> {
@@ -665,13 +717,21 @@ impl RankTable {
         self.slots.get_mut(slot)?.as_mut()
     }
 
+    /// Whether the rank in `slot` holds `hash`.
+    fn holds(&self, slot: usize, hash: u64) -> bool {
+        let (Ok(slot), Some(list)) = (u32::try_from(slot), self.holders.get(&hash)) else {
+            return false;
+        };
+        holder_position(list, slot).is_ok()
+    }
+
     fn slot_or_insert(&mut self, rank: Rank) -> usize {
         if let Some(&slot) = self.slot_of.get(&rank) {
             return slot;
         }
         let state = RankState {
             rank,
-            blocks: self.spare_block_maps.pop().unwrap_or_default(),
+            distinct_blocks: 0,
             private_blocks: 0,
             prefill_tokens: 0,
             requests: 0,
@@ -690,65 +750,62 @@ impl RankTable {
         slot
     }
 
-    /// Makes room in the rank's block map for `blocks` more hashes at once.
-    fn reserve_blocks(&mut self, slot: usize, blocks: usize) {
-        if let Some(Some(state)) = self.slots.get_mut(slot) {
-            state.blocks.reserve(blocks);
-        }
+    /// Makes room for `blocks` more hashes at once.
+    fn reserve_blocks(&mut self, blocks: usize) {
+        self.holders.reserve(blocks);
     }
 
-    /// Adds one reference to `hash` on the rank; true if the rank already held it.
-    fn add_block(&mut self, slot: usize, hash: u64) -> bool {
-        let Some(Some(state)) = self.slots.get_mut(slot) else {
+    /// Adds one reference to `hash` on the rank; true if the rank already held it. `hint` is the
+    /// rank's position in the previous block's list, updated to its position in this one.
+    fn add_block(&mut self, slot: usize, hash: u64, hint: &mut usize) -> bool {
+        // Slots number live ranks, far below 2^32.
+        let Ok(key) = u32::try_from(slot) else {
             return false;
         };
-        match state.blocks.entry(hash) {
-            Entry::Occupied(mut held) => {
-                held.get_mut().refcount += 1;
+        let list = self.holders.entry(hash).or_default();
+        match holder_position_near(list, key, *hint) {
+            Ok(i) => {
+                *hint = i;
+                if holder_count(list[i]) < u32::MAX {
+                    list[i] += 1;
+                }
                 true
             }
-            Entry::Vacant(vacant) => {
-                let holders = self.holders.entry(hash).or_default();
-                vacant.insert(HeldBlock {
-                    refcount: 1,
-                    holder_index: holders.len(),
-                });
-                holders.push(slot);
+            Err(i) => {
+                *hint = i;
+                list.insert(i, holder(key, 1));
+                if let Some(Some(state)) = self.slots.get_mut(slot) {
+                    state.distinct_blocks += 1;
+                }
                 false
             }
         }
     }
 
-    /// Drops one reference to `hash` on the rank; the last one unlinks it from `holders`. One
-    /// lookup in each map (entries, not get-then-remove).
-    fn remove_block(&mut self, slot: usize, hash: u64) {
-        let Some(Some(state)) = self.slots.get_mut(slot) else {
+    /// Drops one reference to `hash` on the rank; the last one unlinks the rank from the block.
+    /// `hint` as for [`add_block`](Self::add_block).
+    fn remove_block(&mut self, slot: usize, hash: u64, hint: &mut usize) {
+        let Ok(key) = u32::try_from(slot) else {
             return;
         };
-        let Entry::Occupied(mut held) = state.blocks.entry(hash) else {
+        let Entry::Occupied(mut entry) = self.holders.entry(hash) else {
             return;
         };
-        let block = held.get_mut();
-        block.refcount = block.refcount.saturating_sub(1);
-        if block.refcount > 0 {
-            return;
-        }
-        let index = held.remove().holder_index;
-        let Entry::Occupied(mut holders) = self.holders.entry(hash) else {
+        let list = entry.get_mut();
+        let Ok(i) = holder_position_near(list, key, *hint) else {
             return;
         };
-        let list = holders.get_mut();
-        if index < list.len() {
-            list.swap_remove(index);
+        *hint = i;
+        list[i] -= 1;
+        if holder_count(list[i]) > 0 {
+            return;
         }
-        if let Some(&moved) = list.get(index)
-            && let Some(Some(other)) = self.slots.get_mut(moved)
-            && let Some(moved_block) = other.blocks.get_mut(&hash)
-        {
-            moved_block.holder_index = index;
-        }
+        list.remove(i);
         if list.is_empty() {
-            holders.remove();
+            entry.remove();
+        }
+        if let Some(Some(state)) = self.slots.get_mut(slot) {
+            state.distinct_blocks = state.distinct_blocks.saturating_sub(1);
         }
     }
 
@@ -760,28 +817,20 @@ impl RankTable {
         if state.requests > 0 {
             return;
         }
-        debug_assert!(state.blocks.is_empty() && state.private_blocks == 0);
-        // Unreachable while the invariants hold; unlink any leftover block so `holders` never
-        // names a reused slot.
-        let leftover: Vec<u64> = state.blocks.keys().copied().collect();
-        for hash in leftover {
-            if let Some(Some(state)) = self.slots.get_mut(slot)
-                && let Some(held) = state.blocks.get_mut(&hash)
-            {
-                held.refcount = 1;
-            }
-            self.remove_block(slot, hash);
+        debug_assert!(state.distinct_blocks == 0 && state.private_blocks == 0);
+        if state.distinct_blocks > 0
+            && let Ok(key) = u32::try_from(slot)
+        {
+            // Unreachable while the invariants hold; unlink every leftover block (a full scan)
+            // so the holders never name a reused slot.
+            self.holders.retain(|_, list| {
+                list.retain(|holder| holder_slot(*holder) != key);
+                !list.is_empty()
+            });
         }
         if let Some(state) = self.slots.get_mut(slot).and_then(Option::take) {
             self.slot_of.remove(&state.rank);
             self.free_slots.push(slot);
-            let mut blocks = state.blocks;
-            if self.spare_block_maps.len() < SPARE_BLOCK_MAPS
-                && blocks.capacity() <= SPARE_BLOCK_MAP_CAPACITY
-            {
-                blocks.clear();
-                self.spare_block_maps.push(blocks);
-            }
         }
     }
 }
@@ -1580,17 +1629,33 @@ mod tests {
                 (private, prefill, requests),
                 (state.private_blocks, state.prefill_tokens, state.requests)
             );
-            assert_eq!(state.blocks.len(), refcounts.len());
-            for (hash, held) in &state.blocks {
-                assert_eq!(Some(&held.refcount), refcounts.get(hash));
-                assert_eq!(table.holders[hash].get(held.holder_index), Some(&slot));
+            assert_eq!(state.distinct_blocks, refcounts.len() as u64);
+            for (hash, count) in &refcounts {
+                let list = &table.holders[hash];
+                let i = holder_position(list, slot as u32).expect("a held block names its rank");
+                assert_eq!(u64::from(holder_count(list[i])), *count);
             }
         }
         for (hash, holders) in &table.holders {
             assert!(!holders.is_empty());
-            for &slot in holders {
-                let state = table.slots[slot].as_ref().expect("holders name live slots");
-                assert!(state.blocks.contains_key(hash));
+            assert!(
+                holders
+                    .windows(2)
+                    .all(|w| holder_slot(w[0]) < holder_slot(w[1])),
+                "holders of {hash} sorted by slot, no repeats"
+            );
+            for holder in holders {
+                let state = table.slots[holder_slot(*holder) as usize]
+                    .as_ref()
+                    .expect("holders name live slots");
+                assert!(holder_count(*holder) > 0);
+                let occurrences: usize = tracker
+                    .bookings
+                    .values()
+                    .filter(|b| b.view.rank == state.rank)
+                    .map(|b| b.view.sequence_hashes.iter().filter(|h| *h == hash).count())
+                    .sum();
+                assert_eq!(occurrences as u64, u64::from(holder_count(*holder)));
             }
         }
         assert_eq!(tracker.idle_order.len(), tracker.bookings.len());
