@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Side-by-side benchmark: kvroute vs NVIDIA Dynamo's selection service (PyPI ai-dynamo-runtime),
-# same machine, same workload, same run, alternating A B A B.
+# same machine, same workload, same run, alternating A B B A.
 #
 #   bench/side_by_side.sh                 # ROUNDS=2 DURATION=20 WARMUP=10 WORKERS=64 CONCURRENCY=32
 #
@@ -96,11 +96,17 @@ for name in dynamo kvroute; do
 done
 
 echo "== running $ROUNDS rounds of ${DURATION}s per server and mode (W=$WORKERS, C=$CONCURRENCY)"
+# The machine's speed may drift during the run: odd rounds measure Dynamo first, even rounds
+# kvroute first (A B B A), so a steady drift favours neither in the median.
 for round in $(seq 1 "$ROUNDS"); do
-  reg=0
   for mode in select cycle; do
-    run dynamo "$DYN_PORT" "$mode" "$round" "$reg"
-    run kvroute "$KV_PORT" "$mode" "$round" "$reg"
+    if [ $((round % 2)) = 1 ]; then
+      run dynamo "$DYN_PORT" "$mode" "$round" 0
+      run kvroute "$KV_PORT" "$mode" "$round" 0
+    else
+      run kvroute "$KV_PORT" "$mode" "$round" 0
+      run dynamo "$DYN_PORT" "$mode" "$round" 0
+    fi
   done
 done
 
@@ -128,10 +134,27 @@ r["stored_blocks_applied_per_s"] = (after - before) / r["duration_s"]
 json.dump(r, open(path, "w"))
 PY
 }
+# A storm leaves seconds of queued events behind it (engine sockets, the apply queue): before
+# each quiet run, wait until kvroute has applied them (its applied count stands still for 1 s).
+drain() {
+  local last now
+  last=$(stored_applied)
+  for _ in $(seq 1 60); do
+    sleep 1
+    now=$(stored_applied)
+    [ "$now" = "$last" ] && return 0
+    last=$now
+  done
+  echo "   (kvroute still applying events after 60 s)"
+}
+# Each storm run is compared with the quiet run just before it.
+drain
 run kvroute "$KV_PORT" select quiet 0
 # Engines live on other hosts in production: at nice 19 the fake engines' publishing uses only
 # the CPU the service and the clients leave, as it would cost the router's machine nothing.
 engine_nice=19 storm_run storm
+drain
+run kvroute "$KV_PORT" select quiet-colocated 0
 # The same storm with the publishers competing for this machine's two cores like any process.
 engine_nice=0 storm_run storm-colocated
 

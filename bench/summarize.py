@@ -35,11 +35,13 @@ for mode in ("select", "cycle"):
             "throughput_ratio": thr, "p99_ratio": p99,
         })
 
-quiet = runs.get("kvroute-select-rquiet")
 storm_rows = []
-for label, engines in (("storm", "remote (fake engines at nice 19)"),
-                       ("storm-colocated", "co-located (fake engines at nice 0)")):
+# Each storm run against the quiet run just before it (older results have one quiet run).
+for label, quiet_label, engines in (
+        ("storm", "quiet", "remote (fake engines at nice 19)"),
+        ("storm-colocated", "quiet-colocated", "co-located (fake engines at nice 0)")):
     storm = runs.get(f"kvroute-select-r{label}")
+    quiet = runs.get(f"kvroute-select-r{quiet_label}") or runs.get("kvroute-select-rquiet")
     if not (storm and quiet):
         continue
     sp, qp = storm["routes"]["select"]["p99_us"], quiet["routes"]["select"]["p99_us"]

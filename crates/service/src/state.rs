@@ -52,15 +52,53 @@ fn event_blocks(events: &[KvEvent]) -> usize {
         .sum()
 }
 
+/// Tells the HTTP handlers when the applier holds (or is about to take) the selector's write
+/// lock, so that a request needing the selector waits as a task, and the runtime's threads go on
+/// reading, parsing and answering other requests, instead of a thread blocking on the lock.
+#[derive(Default)]
+pub struct ApplierGate {
+    holding: AtomicBool,
+    released: tokio::sync::Notify,
+}
+
+impl ApplierGate {
+    fn close(&self) {
+        self.holding.store(true, Ordering::SeqCst);
+    }
+
+    fn open(&self) {
+        self.holding.store(false, Ordering::SeqCst);
+        self.released.notify_waiters();
+    }
+
+    /// Returns once the applier does not hold the lock (at once, the usual case). A request may
+    /// still meet the lock taken right after: it then waits on it as before, for at most one
+    /// bounded hold.
+    pub async fn passed(&self) {
+        while self.holding.load(Ordering::SeqCst) {
+            let released = self.released.notified();
+            tokio::pin!(released);
+            // Registered before the second look, so an `open` between the two is not missed.
+            released.as_mut().enable();
+            if !self.holding.load(Ordering::SeqCst) {
+                return;
+            }
+            released.await;
+        }
+    }
+}
+
 /// The applier thread's loop: ends when every listener and the manager have dropped the sink.
 fn run_applier(
     queue: std::sync::mpsc::Receiver<(u64, u32, Vec<KvEvent>)>,
     selector: Arc<RwLock<Selector>>,
     metrics: Arc<Metrics>,
+    gate: Arc<ApplierGate>,
 ) {
     while let Ok(first) = queue.recv() {
         let mut next = Some(first);
         let started = std::time::Instant::now();
+        gate.close();
         let mut selector = selector.write();
         let mut blocks = 0;
         while let Some((worker_id, dp_rank, events)) = next.take() {
@@ -77,6 +115,7 @@ fn run_applier(
         }
         // Hand the lock to the selects waiting for it rather than taking it straight back.
         parking_lot::RwLockWriteGuard::unlock_fair(selector);
+        gate.open();
         let held = started.elapsed();
         if held > Duration::from_micros(20) {
             std::thread::sleep(held.mul_f64(1.0 / APPLY_LOCK_SHARE - 1.0));
@@ -86,6 +125,8 @@ fn run_applier(
 
 pub struct AppState {
     pub selector: Arc<RwLock<Selector>>,
+    /// Whether the KV-event applier holds the selector's write lock (see [`ApplierGate`]).
+    pub applier: Arc<ApplierGate>,
     pub metrics: Arc<Metrics>,
     pub config: ServeConfig,
     pub ingest: IngestManager,
@@ -102,12 +143,14 @@ impl AppState {
         let metrics = Arc::new(Metrics::new());
         let (queue, receiver) = std::sync::mpsc::sync_channel(APPLY_QUEUE);
         let sink = Arc::new(SelectorSink { queue });
+        let applier = Arc::new(ApplierGate::default());
         {
             let selector = Arc::clone(&selector);
             let metrics = Arc::clone(&metrics);
+            let gate = Arc::clone(&applier);
             std::thread::Builder::new()
                 .name("kvroute-apply".to_string())
-                .spawn(move || run_applier(receiver, selector, metrics))
+                .spawn(move || run_applier(receiver, selector, metrics, gate))
                 .map_err(|e| format!("cannot start the KV-event applier thread: {e}"))?;
         }
         let sync = crate::sync::SyncHandle::new(&config.sync, Arc::clone(&metrics));
@@ -121,6 +164,7 @@ impl AppState {
         );
         Ok(Arc::new(Self {
             selector,
+            applier,
             metrics,
             config,
             ingest,
@@ -170,5 +214,77 @@ impl AppState {
             interval.tick().await;
             self.tick(Instant::now());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ApplierGate;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn the_applier_gate_holds_requests_only_while_the_applier_holds_the_lock() {
+        let gate = Arc::new(ApplierGate::default());
+        // Open: passes at once.
+        tokio::time::timeout(Duration::from_secs(1), gate.passed())
+            .await
+            .expect("an open gate passes at once");
+
+        gate.close();
+        let waiter = tokio::spawn({
+            let gate = Arc::clone(&gate);
+            async move { gate.passed().await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!waiter.is_finished(), "a closed gate holds the request");
+        gate.open();
+        tokio::time::timeout(Duration::from_secs(1), waiter)
+            .await
+            .expect("opening releases the waiting request")
+            .expect("the waiter does not panic");
+    }
+
+    #[test]
+    fn no_request_misses_the_gate_opening() {
+        // Open and close from another thread as fast as possible while requests pass, ending
+        // open: every request must get through (one whose wake-up was lost at the last opening,
+        // between its look at the flag and its wait, would hang).
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let gate = Arc::new(ApplierGate::default());
+        let toggler = {
+            let gate = Arc::clone(&gate);
+            std::thread::spawn(move || {
+                for _ in 0..20_000 {
+                    gate.close();
+                    std::hint::spin_loop();
+                    gate.open();
+                }
+            })
+        };
+        runtime.block_on(async {
+            let tasks: Vec<_> = (0..8)
+                .map(|_| {
+                    let gate = Arc::clone(&gate);
+                    tokio::spawn(async move {
+                        for _ in 0..2_000 {
+                            gate.passed().await;
+                            tokio::task::yield_now().await;
+                        }
+                    })
+                })
+                .collect();
+            for task in tasks {
+                tokio::time::timeout(Duration::from_secs(30), task)
+                    .await
+                    .expect("no request waits for an opening that already happened")
+                    .expect("no panic");
+            }
+        });
+        toggler.join().expect("toggler");
     }
 }

@@ -88,6 +88,7 @@ pub async fn health() -> AppResult {
 }
 
 pub async fn select(State(state): Shared, StrictJson(body): StrictJson<SelectBody>) -> AppResult {
+    state.applier.passed().await;
     ok(api::select(&state, body)?)
 }
 
@@ -95,6 +96,7 @@ pub async fn select_and_reserve(
     State(state): Shared,
     StrictJson(body): StrictJson<SelectBody>,
 ) -> AppResult {
+    state.applier.passed().await;
     ok(api::select_and_reserve(&state, body)?)
 }
 
@@ -102,6 +104,7 @@ pub async fn create_reservation(
     State(state): Shared,
     StrictJson(body): StrictJson<ReservationBody>,
 ) -> AppResult {
+    state.applier.passed().await;
     created(api::create_reservation(&state, body)?)
 }
 
@@ -110,6 +113,7 @@ pub async fn prefill_complete(
     PathId(id): PathId,
     OptionalJson(_body): OptionalJson<Value>,
 ) -> AppResult {
+    state.applier.passed().await;
     ok(api::prefill_complete(&state, &id)?)
 }
 
@@ -118,6 +122,7 @@ pub async fn output_block(
     PathId(id): PathId,
     OptionalJson(body): OptionalJson<OutputBlockBody>,
 ) -> AppResult {
+    state.applier.passed().await;
     ok(api::output_block(
         &state,
         &id,
@@ -126,6 +131,7 @@ pub async fn output_block(
 }
 
 pub async fn free_reservation(State(state): Shared, PathId(id): PathId) -> AppResult {
+    state.applier.passed().await;
     ok(api::free_reservation(&state, &id)?)
 }
 
@@ -133,6 +139,7 @@ pub async fn overlap_scores(
     State(state): Shared,
     StrictJson(body): StrictJson<PromptRouteBody>,
 ) -> AppResult {
+    state.applier.passed().await;
     ok(api::overlap_scores(&state, body)?)
 }
 
@@ -140,6 +147,7 @@ pub async fn potential_loads(
     State(state): Shared,
     StrictJson(body): StrictJson<PromptRouteBody>,
 ) -> AppResult {
+    state.applier.passed().await;
     ok(api::potential_loads(&state, body)?)
 }
 
