@@ -2,7 +2,7 @@
 # Side-by-side benchmark: kvroute vs NVIDIA Dynamo's selection service (PyPI ai-dynamo-runtime),
 # same machine, same workload, same run, alternating A B B A.
 #
-#   bench/side_by_side.sh                 # ROUNDS=2 DURATION=20 WARMUP=10 WORKERS=64 CONCURRENCY=32
+#   bench/side_by_side.sh   # ROUNDS=2 DURATION=20 WARMUP=10 STORM_DURATION=10 WORKERS=64 CONCURRENCY=32
 #
 # Dynamo's service binds 0.0.0.0 with no option to change it, so both servers and the load
 # generator run inside a network namespace whose only interface is loopback (needs root). The
@@ -16,6 +16,8 @@ cd "$repo"
 ROUNDS="${ROUNDS:-2}"
 DURATION="${DURATION:-20}"
 WARMUP="${WARMUP:-10}"
+# The event-storm runs (two pairs of quiet and storm runs, each pair adjacent in time).
+STORM_DURATION="${STORM_DURATION:-10}"
 WORKERS="${WORKERS:-64}"
 CONCURRENCY="${CONCURRENCY:-32}"
 MAX_PROMPT_TOKENS="${MAX_PROMPT_TOKENS:-16384}"
@@ -124,7 +126,7 @@ storm_run() { # label [extra loadgen flags...]
   shift
   local before after
   before=$(stored_applied)
-  run kvroute "$KV_PORT" select "$label" 0 --event-storm "$@"
+  DURATION=$STORM_DURATION run kvroute "$KV_PORT" select "$label" 0 --event-storm "$@"
   after=$(stored_applied)
   python3 - "$workdir/kvroute-select-r$label.json" "$before" "$after" <<'PY'
 import json, sys
@@ -149,12 +151,12 @@ drain() {
 }
 # Each storm run is compared with the quiet run just before it.
 drain
-run kvroute "$KV_PORT" select quiet 0
+DURATION=$STORM_DURATION run kvroute "$KV_PORT" select quiet 0
 # Engines live on other hosts in production: at nice 19 the fake engines' publishing uses only
 # the CPU the service and the clients leave, as it would cost the router's machine nothing.
 engine_nice=19 storm_run storm
 drain
-run kvroute "$KV_PORT" select quiet-colocated 0
+DURATION=$STORM_DURATION run kvroute "$KV_PORT" select quiet-colocated 0
 # The same storm with the publishers competing for this machine's two cores like any process.
 engine_nice=0 storm_run storm-colocated
 
