@@ -38,8 +38,9 @@
 //! `P` = blocks in a prompt, `n` = live bookings, `R` = ranks with bookings. Hash maps are O(1)
 //! expected.
 //! - `book` and `free`: O(P + log n) while few ranks share a block; a block held by `h` ranks
-//!   costs O(log h) to find the rank in its sorted holder list and O(h) to insert or remove it. `prefill_complete` and `output_block`: O(log n) (re-keying
-//!   the idle index).
+//!   costs O(log h) to find the rank in its sorted holder list (O(1) when the rank sits where it
+//!   sat in the previous block's list) and O(h) to insert or remove it.
+//! - `prefill_complete` and `output_block`: O(log n) (re-keying the idle index).
 //! - `expire`: O((k + 1) log n + freed blocks) for `k` expired bookings; it never scans live ones.
 //! - `free_rank` / `free_worker`: O(n) scan plus the frees (worker deletion is rare).
 //! - `rank_load`, `bookings_of`: O(1). `ranks`: O(R).
@@ -796,7 +797,10 @@ impl RankTable {
             return;
         };
         *hint = i;
-        list[i] -= 1;
+        // Counts are ≥ 1 (a list drops a rank at 0); never borrow from the slot half.
+        if holder_count(list[i]) > 0 {
+            list[i] -= 1;
+        }
         if holder_count(list[i]) > 0 {
             return;
         }

@@ -61,9 +61,20 @@ pub struct ApplierGate {
     released: tokio::sync::Notify,
 }
 
+/// Keeps the gate closed while it lives: dropping it (also while unwinding from a panic) opens
+/// the gate, so requests can never be left waiting on a hold that ended.
+struct GateHold<'a>(&'a ApplierGate);
+
+impl Drop for GateHold<'_> {
+    fn drop(&mut self) {
+        self.0.open();
+    }
+}
+
 impl ApplierGate {
-    fn close(&self) {
+    fn close(&self) -> GateHold<'_> {
         self.holding.store(true, Ordering::SeqCst);
+        GateHold(self)
     }
 
     fn open(&self) {
@@ -98,7 +109,7 @@ fn run_applier(
     while let Ok(first) = queue.recv() {
         let mut next = Some(first);
         let started = std::time::Instant::now();
-        gate.close();
+        let hold = gate.close();
         let mut selector = selector.write();
         let mut blocks = 0;
         while let Some((worker_id, dp_rank, events)) = next.take() {
@@ -115,7 +126,7 @@ fn run_applier(
         }
         // Hand the lock to the selects waiting for it rather than taking it straight back.
         parking_lot::RwLockWriteGuard::unlock_fair(selector);
-        gate.open();
+        drop(hold);
         let held = started.elapsed();
         if held > Duration::from_micros(20) {
             std::thread::sleep(held.mul_f64(1.0 / APPLY_LOCK_SHARE - 1.0));
@@ -231,14 +242,14 @@ mod tests {
             .await
             .expect("an open gate passes at once");
 
-        gate.close();
+        let hold = gate.close();
         let waiter = tokio::spawn({
             let gate = Arc::clone(&gate);
             async move { gate.passed().await }
         });
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert!(!waiter.is_finished(), "a closed gate holds the request");
-        gate.open();
+        drop(hold);
         tokio::time::timeout(Duration::from_secs(1), waiter)
             .await
             .expect("opening releases the waiting request")
@@ -260,9 +271,9 @@ mod tests {
             let gate = Arc::clone(&gate);
             std::thread::spawn(move || {
                 for _ in 0..20_000 {
-                    gate.close();
+                    let hold = gate.close();
                     std::hint::spin_loop();
-                    gate.open();
+                    drop(hold);
                 }
             })
         };
@@ -286,5 +297,24 @@ mod tests {
             }
         });
         toggler.join().expect("toggler");
+    }
+
+    #[test]
+    fn a_hold_ended_by_a_panic_opens_the_gate() {
+        let gate = ApplierGate::default();
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _hold = gate.close();
+            panic!("the applier failed while holding the lock");
+        }));
+        assert!(outcome.is_err());
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            tokio::time::timeout(Duration::from_secs(1), gate.passed())
+                .await
+                .expect("requests pass after the failed hold");
+        });
     }
 }
