@@ -42,12 +42,19 @@ struct Seeded {
 
 impl Seeded {
     fn new(seed: u64) -> Self {
-        let secret = if seed == BASE_SEED {
-            BASE_SECRET
+        Self {
+            seed,
+            secret: const_custom_default_secret(seed),
+        }
+    }
+
+    /// Runs `f` with `seed` ready: the compile-time one for [`BASE_SEED`], else derived now.
+    fn with<R>(seed: u64, f: impl FnOnce(&Seeded) -> R) -> R {
+        if seed == BASE_SEED {
+            f(&BASE_SEEDED)
         } else {
-            const_custom_default_secret(seed)
-        };
-        Self { seed, secret }
+            f(&Seeded::new(seed))
+        }
     }
 
     /// Equals `xxh3_64_with_seed(bytes, self.seed)`.
@@ -75,12 +82,7 @@ impl Seeded {
 
 /// Hash of one block of tokens with the given seed.
 pub fn block_hash(tokens: &[u32], seed: u64) -> u64 {
-    if seed == BASE_SEED {
-        // The usual seed: its secret is a constant.
-        BASE_SEEDED.block(tokens)
-    } else {
-        Seeded::new(seed).block(tokens)
-    }
+    Seeded::with(seed, |seeded| seeded.block(tokens))
 }
 
 static BASE_SEEDED: Seeded = Seeded {
@@ -93,11 +95,12 @@ pub fn local_hashes(tokens: &[u32], block_size: usize, seed: u64) -> Vec<u64> {
     if block_size == 0 {
         return Vec::new();
     }
-    let seeded = Seeded::new(seed);
-    tokens
-        .chunks_exact(block_size)
-        .map(|block| seeded.block(block))
-        .collect()
+    Seeded::with(seed, |seeded| {
+        tokens
+            .chunks_exact(block_size)
+            .map(|block| seeded.block(block))
+            .collect()
+    })
 }
 
 /// Chains one block's local hash onto the sequence hash of everything before it.

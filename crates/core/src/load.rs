@@ -405,7 +405,7 @@ impl LoadTracker {
         block_size: u32,
     ) -> u64 {
         let slot = self.ranks.slot_of.get(&rank).copied();
-        let state = self.ranks.get(rank);
+        let state = slot.and_then(|slot| self.ranks.slots.get(slot)?.as_ref());
         let mut seen = HashSet::with_capacity(sequence_hashes.len());
         let mut new_blocks: u64 = 0;
         for &hash in sequence_hashes {
