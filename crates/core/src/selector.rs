@@ -1050,8 +1050,20 @@ impl Selector {
     /// The block size prompts of this partition are hashed with (503 without schedulable
     /// workers). Edges call it to hash token prompts before taking a write lock.
     pub fn block_size_for(&self, partition: &PartitionKey) -> Result<u32, Error> {
-        let (_, workers) = self.schedulable_workers(partition)?;
-        Ok(workers.first().and_then(|r| r.spec.block_size).unwrap_or(1))
+        // The first schedulable worker, as `schedulable_workers` would list it, without
+        // building the list.
+        self.partitions
+            .get(partition)
+            .and_then(|p| {
+                p.workers
+                    .iter()
+                    .filter_map(|w| self.workers.get(w))
+                    .find(|r| r.lifecycle == Lifecycle::Schedulable)
+            })
+            .map(|r| r.spec.block_size.unwrap_or(1))
+            .ok_or_else(|| Error::NoSchedulableWorkers {
+                partition: partition.clone(),
+            })
     }
 
     /// The block size of one worker (for explicit bookings with token ids).
