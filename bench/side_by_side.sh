@@ -2,7 +2,7 @@
 # Side-by-side benchmark: kvroute vs NVIDIA Dynamo's selection service (PyPI ai-dynamo-runtime),
 # same machine, same workload, same run, alternating A B B A.
 #
-#   bench/side_by_side.sh   # ROUNDS=2 DURATION=20 WARMUP=10 STORM_DURATION=10 WORKERS=64 CONCURRENCY=32
+#   bench/side_by_side.sh   # ROUNDS=3 DURATION=15 WARMUP=10 STORM_DURATION=10 WORKERS=64 CONCURRENCY=32
 #
 # Dynamo's service binds 0.0.0.0 with no option to change it, so both servers and the load
 # generator run inside a network namespace whose only interface is loopback (needs root). The
@@ -13,8 +13,10 @@ here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/.." && pwd)"
 cd "$repo"
 
-ROUNDS="${ROUNDS:-2}"
-DURATION="${DURATION:-20}"
+# Three rounds, so that the median is that of three ratios and one round run while the machine
+# was slow (steal, see the table) does not move it; 15 s runs keep the whole script under 10 min.
+ROUNDS="${ROUNDS:-3}"
+DURATION="${DURATION:-15}"
 WARMUP="${WARMUP:-10}"
 # The event-storm runs (two pairs of quiet and storm runs, each pair adjacent in time).
 STORM_DURATION="${STORM_DURATION:-10}"
@@ -64,8 +66,10 @@ in_ns() { ip netns exec "$NS" "$@"; }
 
 in_ns "$venv/bin/python" -m dynamo.select_service --port "$DYN_PORT" >"$workdir/dynamo.log" 2>&1 &
 pids+=($!)
+DYN_PID=$! # `ip netns exec` execs the command: this is the server's own pid
 in_ns "$kvroute" serve --port "$KV_PORT" >"$workdir/kvroute.log" 2>&1 &
 pids+=($!)
+KV_PID=$!
 for port in "$DYN_PORT" "$KV_PORT"; do
   for _ in $(seq 1 100); do
     if in_ns python3 -c "import urllib.request,sys; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=1)" 2>/dev/null; then break; fi
@@ -80,12 +84,32 @@ run() { # name port mode round register [extra loadgen flags...]
   shift 5
   local skip=(--skip-register)
   [ "$register" = 1 ] && skip=()
-  local events_base=$KV_EVENTS_BASE
-  [ "$name" = dynamo ] && events_base=$DYN_EVENTS_BASE
+  local events_base=$KV_EVENTS_BASE server_pid=$KV_PID
+  [ "$name" = dynamo ] && events_base=$DYN_EVENTS_BASE server_pid=$DYN_PID
+  # The server's CPU time (all its threads) and the machine's counters around the run: CPU per
+  # request does not depend on how fast the machine happened to be, and steal (time the
+  # hypervisor gave to other guests) shows when it was slow.
+  local cpu_before stat_before
+  cpu_before=$(awk '{print $14 + $15}' "/proc/$server_pid/stat")
+  stat_before=$(head -1 /proc/stat)
   in_ns "$kvroute" loadgen --url "http://127.0.0.1:$port" --workers "$WORKERS" "${skip[@]}" \
     --events-base-port "$events_base" --engine-nice "${engine_nice:-$ENGINE_NICE}" --concurrency "$CONCURRENCY" --duration-secs "$DURATION" \
     --mode "$mode" --max-prompt-tokens "$MAX_PROMPT_TOKENS" "${trace_args[@]}" \
     --label "$name-$mode-r$round" --out "$workdir/$name-$mode-r$round.json" "$@" >/dev/null
+  python3 - "$workdir/$name-$mode-r$round.json" "$cpu_before" "$(awk '{print $14 + $15}' "/proc/$server_pid/stat")" \
+    "$stat_before" "$(head -1 /proc/stat)" <<'PY'
+import json, os, sys
+path, cpu0, cpu1, stat0, stat1 = sys.argv[1:]
+tick = os.sysconf("SC_CLK_TCK")
+r = json.load(open(path))
+r["server_cpu_s"] = (float(cpu1) - float(cpu0)) / tick
+t0, t1 = [list(map(int, s.split()[1:9])) for s in (stat0, stat1)]
+d = [b - a for a, b in zip(t0, t1)]  # user nice system idle iowait irq softirq steal
+total = sum(d) or 1
+r["machine_steal_pct"] = 100 * d[7] / total
+r["machine_idle_pct"] = 100 * (d[3] + d[4]) / total
+json.dump(r, open(path, "w"))
+PY
   echo "   $name $mode round $round done"
 }
 

@@ -16,7 +16,7 @@ for f in glob.glob(os.path.join(a.dir, "*.json")):
     r = json.load(open(f))
     runs[r["label"]] = r
 
-rows, ratios = [], {}
+rows, ratios, cpu_ratios = [], {}, {}
 for mode in ("select", "cycle"):
     for rnd in range(1, a.rounds + 1):
         d, k = runs.get(f"dynamo-{mode}-r{rnd}"), runs.get(f"kvroute-{mode}-r{rnd}")
@@ -28,11 +28,20 @@ for mode in ("select", "cycle"):
         thr = kv["rps"] / dv["rps"] if dv["rps"] else float("inf")
         p99 = kv["p99_us"] / dv["p99_us"] if dv["p99_us"] else 0.0
         ratios.setdefault(mode, []).append((thr, p99))
+        # Server CPU per request (per cycle in cycle mode), when the run recorded it.
+        def cpu_us(run, route):
+            done = route["rps"] * run.get("duration_s", 0)
+            return 1e6 * run["server_cpu_s"] / done if "server_cpu_s" in run and done else None
+        dc, kc = cpu_us(d, dv), cpu_us(k, kv)
+        if dc and kc:
+            cpu_ratios.setdefault(mode, []).append(dc / kc)
+        steal = max(d.get("machine_steal_pct", 0), k.get("machine_steal_pct", 0))
         rows.append({
             "mode": mode, "round": rnd,
             "dynamo": {"rps": dv["rps"], "p50_us": dv["p50_us"], "p99_us": dv["p99_us"], "errors": d["errors"]},
             "kvroute": {"rps": kv["rps"], "p50_us": kv["p50_us"], "p99_us": kv["p99_us"], "errors": k["errors"]},
             "throughput_ratio": thr, "p99_ratio": p99,
+            "dynamo_cpu_us": dc, "kvroute_cpu_us": kc, "max_steal_pct": steal,
         })
 
 storm_rows = []
@@ -55,6 +64,8 @@ for label, quiet_label, engines in (
                        "stored_blocks_applied_per_s": storm.get("stored_blocks_applied_per_s")})
 summary = {m: {"median_throughput_ratio": statistics.median(x[0] for x in v),
                "median_p99_ratio": statistics.median(x[1] for x in v)} for m, v in ratios.items()}
+for m, v in cpu_ratios.items():
+    summary[m]["median_cpu_ratio"] = statistics.median(v)
 report = {
     "date": datetime.datetime.utcnow().isoformat() + "Z",
     "machine": a.machine, "dynamo_version": a.dynamo_version,
@@ -67,16 +78,19 @@ json.dump(report, open(a.out, "w"), indent=2)
 lines = [f"### {report['date'][:19]} — {a.machine}, Dynamo {a.dynamo_version}, "
          f"W={report['workload'].get('workers')} C={report['workload'].get('concurrency')}, "
          f"mean prompt {report['workload'].get('mean_prompt_tokens')} tokens", "",
-         "| measure | round | Dynamo req/s | kvroute req/s | ratio | Dynamo p50/p99 µs | kvroute p50/p99 µs | p99 ratio |",
-         "|---|---:|---:|---:|---:|---:|---:|---:|"]
+         "| measure | round | Dynamo req/s | kvroute req/s | ratio | Dynamo p50/p99 µs | kvroute p50/p99 µs | p99 ratio | server CPU µs/req Dynamo / kvroute | steal % |",
+         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 for r in rows:
     name = "/select" if r["mode"] == "select" else "select→reserve→prefill→free cycle"
     d, k = r["dynamo"], r["kvroute"]
     lines.append(f"| {name} | {r['round']} | {d['rps']:.0f} | {k['rps']:.0f} | {r['throughput_ratio']:.2f}× | "
-                 f"{d['p50_us']}/{d['p99_us']} | {k['p50_us']}/{k['p99_us']} | {r['p99_ratio']:.2f} |")
+                 f"{d['p50_us']}/{d['p99_us']} | {k['p50_us']}/{k['p99_us']} | {r['p99_ratio']:.2f} | "
+                 + (f"{r['dynamo_cpu_us']:.0f} / {r['kvroute_cpu_us']:.0f} | " if r["kvroute_cpu_us"] and r["dynamo_cpu_us"] else "n/a | ")
+                 + f"{r['max_steal_pct']:.0f} |")
 for m, s in summary.items():
     name = "/select" if m == "select" else "cycle"
-    lines.append(f"| **{name} median** | | | | **{s['median_throughput_ratio']:.2f}×** | | | **{s['median_p99_ratio']:.2f}** |")
+    cpu = f"**{s['median_cpu_ratio']:.2f}× less**" if "median_cpu_ratio" in s else ""
+    lines.append(f"| **{name} median** | | | | **{s['median_throughput_ratio']:.2f}×** | | | **{s['median_p99_ratio']:.2f}** | {cpu} | |")
 if storm_rows:
     lines += ["", "Event storm (kvroute `/select` while every fake engine publishes random prompts as fast as it can):", "",
               "| engines | prompts published | stored blocks applied/s | /select p50 µs quiet → storm | p99 µs quiet → storm | p99 rise | req/s quiet → storm |",
@@ -88,7 +102,10 @@ if storm_rows:
                      f"{r['quiet_p50_us']} → {r['storm_p50_us']} | {r['quiet_p99_us']} → {r['storm_p99_us']} | "
                      f"**{r['ratio']:.2f}×** | {r['quiet_rps']:.0f} → {r['storm_rps']:.0f} |")
 errs = sum(r["dynamo"]["errors"] + r["kvroute"]["errors"] for r in rows)
-lines += ["", f"Errors across all runs: {errs}."]
+lines += ["", "Server CPU µs/req: the server process's CPU time (all threads) over the requests it "
+          "answered; steal %: the larger share of the two runs' time the hypervisor gave to other "
+          "guests (rounds with high steal ran on a slower machine).", "",
+          f"Errors across all runs: {errs}."]
 table = "\n".join(lines)
 print(table)
 if a.benchmarks:
