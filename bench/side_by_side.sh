@@ -66,16 +66,18 @@ in_ns() { ip netns exec "$NS" "$@"; }
 
 in_ns "$venv/bin/python" -m dynamo.select_service --port "$DYN_PORT" >"$workdir/dynamo.log" 2>&1 &
 pids+=($!)
-DYN_PID=$! # `ip netns exec` execs the command: this is the server's own pid
 in_ns "$kvroute" serve --port "$KV_PORT" >"$workdir/kvroute.log" 2>&1 &
 pids+=($!)
-KV_PID=$!
 for port in "$DYN_PORT" "$KV_PORT"; do
   for _ in $(seq 1 100); do
     if in_ns python3 -c "import urllib.request,sys; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=1)" 2>/dev/null; then break; fi
     sleep 0.2
   done
 done
+
+# The servers' own processes (each started through a subshell), for their CPU time.
+DYN_PID=$(pgrep -n -f "dynamo.select_service --port $DYN_PORT")
+KV_PID=$(pgrep -n -f "$kvroute serve --port $KV_PORT")
 
 trace_args=()
 [ -f "$TRACE" ] && trace_args=(--trace "$TRACE")

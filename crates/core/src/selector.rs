@@ -1127,7 +1127,8 @@ impl Selector {
     ) -> Vec<(Candidate, &'w WorkerRecord)> {
         let load = locked(&self.load);
         let potential = load.potential_decode(&hashes.sequence, hashes.isl_tokens, block_size);
-        let mut out = Vec::new();
+        // One rank per worker is the common case.
+        let mut out = Vec::with_capacity(workers.len());
         for &record in workers {
             for dp_rank in record.spec.dp_ranks() {
                 let rank = Rank::new(record.spec.worker_id, dp_rank);
