@@ -2,7 +2,7 @@
 # Side-by-side benchmark: kvroute vs NVIDIA Dynamo's selection service (PyPI ai-dynamo-runtime),
 # same machine, same workload, same run, alternating A B B A.
 #
-#   bench/side_by_side.sh   # ROUNDS=3 DURATION=15 WARMUP=10 STORM_DURATION=10 WORKERS=64 CONCURRENCY=32
+#   bench/side_by_side.sh   # ROUNDS=3 DURATION=12 WARMUP=8 STORM_DURATION=10 WORKERS=64 CONCURRENCY=32
 #
 # Dynamo's service binds 0.0.0.0 with no option to change it, so both servers and the load
 # generator run inside a network namespace whose only interface is loopback (needs root). The
@@ -14,10 +14,11 @@ repo="$(cd "$here/.." && pwd)"
 cd "$repo"
 
 # Three rounds, so that the median is that of three ratios and one round run while the machine
-# was slow (steal, see the table) does not move it; 15 s runs keep the whole script under 10 min.
+# was slow (steal, see the table) does not move it; 12 s runs keep the whole script under 10 min
+# on a fresh machine (3 rounds of 15 s took 10 min 22 s there with a third of the CPU stolen).
 ROUNDS="${ROUNDS:-3}"
-DURATION="${DURATION:-15}"
-WARMUP="${WARMUP:-10}"
+DURATION="${DURATION:-12}"
+WARMUP="${WARMUP:-8}"
 # The event-storm runs (two pairs of quiet and storm runs, each pair adjacent in time).
 STORM_DURATION="${STORM_DURATION:-10}"
 WORKERS="${WORKERS:-64}"
@@ -39,16 +40,22 @@ venv="$here/.venv"
 stamp="$(date -u +%Y-%m-%dT%H-%M-%SZ)"
 workdir="$(mktemp -d)"
 
-echo "== building kvroute (release)"
+echo "== building kvroute (release) and installing ai-dynamo-runtime==$DYNAMO_VERSION into $venv"
+# The install runs while cargo builds.
+(
+  [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+  "$venv/bin/pip" install -q "ai-dynamo-runtime==$DYNAMO_VERSION"
+) &
+pip_pid=$!
 # Without replica sync (the `nats` feature, not used here): half the build time on a fresh
 # machine (2 min 45 s instead of 5 min 7 s on 2 cores).
 cargo build --release -q -p kvroute --no-default-features
 kvroute="$repo/target/release/kvroute"
 [ -n "${CARGO_TARGET_DIR:-}" ] && kvroute="$CARGO_TARGET_DIR/release/kvroute"
-
-echo "== installing ai-dynamo-runtime==$DYNAMO_VERSION into $venv"
-[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-"$venv/bin/pip" install -q "ai-dynamo-runtime==$DYNAMO_VERSION"
+if ! wait "$pip_pid"; then
+  echo "installing ai-dynamo-runtime==$DYNAMO_VERSION failed" >&2
+  exit 1
+fi
 
 pids=()
 created=0
