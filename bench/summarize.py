@@ -101,6 +101,24 @@ if storm_rows:
         lines.append(f"| {r['engines']} | {r['storm_prompts_published']} | {applied} | "
                      f"{r['quiet_p50_us']} → {r['storm_p50_us']} | {r['quiet_p99_us']} → {r['storm_p99_us']} | "
                      f"**{r['ratio']:.2f}×** | {r['quiet_rps']:.0f} → {r['storm_rps']:.0f} |")
+# Issue 7's targets, judged on this run's medians and storm pairs.
+checks = []
+if "select" in summary:
+    t = summary["select"]
+    checks.append(("/select throughput ≥ 3× and p99 ≤ ⅓ of Dynamo's",
+                   t["median_throughput_ratio"] >= 3 and t["median_p99_ratio"] <= 1 / 3,
+                   f"{t['median_throughput_ratio']:.2f}×, p99 {t['median_p99_ratio']:.2f}"))
+if "cycle" in summary:
+    t = summary["cycle"]
+    checks.append(("cycle throughput ≥ 3× Dynamo's", t["median_throughput_ratio"] >= 3,
+                   f"{t['median_throughput_ratio']:.2f}×"))
+for r in storm_rows:
+    checks.append((f"storm p99 rise < 2×, {r['engines']}", r["ratio"] < 2, f"{r['ratio']:.2f}×"))
+if checks:
+    lines += ["", "Targets (issue 7) in this run: " + "; ".join(
+        f"{name}: {'met' if ok else 'NOT met'} ({value})" for name, ok, value in checks) + "."]
+report["targets"] = [{"target": n, "met": ok, "value": v} for n, ok, v in checks]
+json.dump(report, open(a.out, "w"), indent=2)
 errs = sum(r["dynamo"]["errors"] + r["kvroute"]["errors"] for r in rows)
 lines += ["", "Server CPU µs/req: the server process's CPU time (all threads) over the requests it "
           "answered; steal %: the larger share of the two runs' time the hypervisor gave to other "
