@@ -86,6 +86,9 @@ done
 DYN_PID=$(pgrep -n -f "dynamo.select_service --port $DYN_PORT")
 KV_PID=$(pgrep -n -f "$kvroute serve --port $KV_PORT")
 
+# CPU time of a process, all threads, in clock ticks.
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+
 trace_args=()
 [ -f "$TRACE" ] && trace_args=(--trace "$TRACE")
 run() { # name port mode round register [extra loadgen flags...]
@@ -99,13 +102,13 @@ run() { # name port mode round register [extra loadgen flags...]
   # request does not depend on how fast the machine happened to be, and steal (time the
   # hypervisor gave to other guests) shows when it was slow.
   local cpu_before stat_before
-  cpu_before=$(awk '{print $14 + $15}' "/proc/$server_pid/stat")
+  cpu_before=$(cpu_ticks "$server_pid")
   stat_before=$(head -1 /proc/stat)
   in_ns "$kvroute" loadgen --url "http://127.0.0.1:$port" --workers "$WORKERS" "${skip[@]}" \
     --events-base-port "$events_base" --engine-nice "${engine_nice:-$ENGINE_NICE}" --concurrency "$CONCURRENCY" --duration-secs "$DURATION" \
     --mode "$mode" --max-prompt-tokens "$MAX_PROMPT_TOKENS" "${trace_args[@]}" \
     --label "$name-$mode-r$round" --out "$workdir/$name-$mode-r$round.json" "$@" >/dev/null
-  python3 - "$workdir/$name-$mode-r$round.json" "$cpu_before" "$(awk '{print $14 + $15}' "/proc/$server_pid/stat")" \
+  python3 - "$workdir/$name-$mode-r$round.json" "$cpu_before" "$(cpu_ticks "$server_pid")" \
     "$stat_before" "$(head -1 /proc/stat)" <<'PY'
 import json, os, sys
 path, cpu0, cpu1, stat0, stat1 = sys.argv[1:]

@@ -16,6 +16,12 @@ for f in glob.glob(os.path.join(a.dir, "*.json")):
     r = json.load(open(f))
     runs[r["label"]] = r
 
+def cpu_us(run, route):
+    """Server CPU per request (per cycle in cycle mode), when the run recorded it."""
+    done = route["rps"] * run.get("duration_s", 0)
+    return 1e6 * run["server_cpu_s"] / done if "server_cpu_s" in run and done else None
+
+
 rows, ratios, cpu_ratios = [], {}, {}
 for mode in ("select", "cycle"):
     for rnd in range(1, a.rounds + 1):
@@ -28,10 +34,6 @@ for mode in ("select", "cycle"):
         thr = kv["rps"] / dv["rps"] if dv["rps"] else float("inf")
         p99 = kv["p99_us"] / dv["p99_us"] if dv["p99_us"] else 0.0
         ratios.setdefault(mode, []).append((thr, p99))
-        # Server CPU per request (per cycle in cycle mode), when the run recorded it.
-        def cpu_us(run, route):
-            done = route["rps"] * run.get("duration_s", 0)
-            return 1e6 * run["server_cpu_s"] / done if "server_cpu_s" in run and done else None
         dc, kc = cpu_us(d, dv), cpu_us(k, kv)
         if dc and kc:
             cpu_ratios.setdefault(mode, []).append(dc / kc)
@@ -72,8 +74,6 @@ report = {
     "workload": {k: runs[next(iter(runs))].get(k) for k in ("workers", "concurrency", "mean_prompt_tokens", "prompts")} if runs else {},
     "rows": rows, "summary": summary, "event_storm": storm_rows, "runs": runs,
 }
-os.makedirs(os.path.dirname(a.out), exist_ok=True)
-json.dump(report, open(a.out, "w"), indent=2)
 
 lines = [f"### {report['date'][:19]} — {a.machine}, Dynamo {a.dynamo_version}, "
          f"W={report['workload'].get('workers')} C={report['workload'].get('concurrency')}, "
@@ -118,6 +118,7 @@ if checks:
     lines += ["", "Targets (issue 7) in this run: " + "; ".join(
         f"{name}: {'met' if ok else 'NOT met'} ({value})" for name, ok, value in checks) + "."]
 report["targets"] = [{"target": n, "met": ok, "value": v} for n, ok, v in checks]
+os.makedirs(os.path.dirname(a.out), exist_ok=True)
 json.dump(report, open(a.out, "w"), indent=2)
 errs = sum(r["dynamo"]["errors"] + r["kvroute"]["errors"] for r in rows)
 lines += ["", "Server CPU µs/req: the server process's CPU time (all threads) over the requests it "

@@ -1035,31 +1035,30 @@ impl Selector {
             partition: partition.clone(),
         };
         let p = self.partitions.get(partition).ok_or_else(no_workers)?;
-        let workers: Vec<&WorkerRecord> = p
-            .workers
-            .iter()
-            .filter_map(|w| self.workers.get(w))
-            .filter(|r| r.lifecycle == Lifecycle::Schedulable)
-            .collect();
+        let workers: Vec<&WorkerRecord> = self.schedulable_in(p).collect();
         if workers.is_empty() {
             return Err(no_workers());
         }
         Ok((p, workers))
     }
 
+    /// The partition's schedulable workers, in the order [`schedulable_workers`] lists them.
+    ///
+    /// [`schedulable_workers`]: Self::schedulable_workers
+    fn schedulable_in<'s>(&'s self, p: &'s Partition) -> impl Iterator<Item = &'s WorkerRecord> {
+        p.workers
+            .iter()
+            .filter_map(|w| self.workers.get(w))
+            .filter(|r| r.lifecycle == Lifecycle::Schedulable)
+    }
+
     /// The block size prompts of this partition are hashed with (503 without schedulable
     /// workers). Edges call it to hash token prompts before taking a write lock.
     pub fn block_size_for(&self, partition: &PartitionKey) -> Result<u32, Error> {
-        // The first schedulable worker, as `schedulable_workers` would list it, without
-        // building the list.
+        // The first schedulable worker, without building the whole list.
         self.partitions
             .get(partition)
-            .and_then(|p| {
-                p.workers
-                    .iter()
-                    .filter_map(|w| self.workers.get(w))
-                    .find(|r| r.lifecycle == Lifecycle::Schedulable)
-            })
+            .and_then(|p| self.schedulable_in(p).next())
             .map(|r| r.spec.block_size.unwrap_or(1))
             .ok_or_else(|| Error::NoSchedulableWorkers {
                 partition: partition.clone(),
