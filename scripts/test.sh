@@ -3,12 +3,11 @@
 # pytest suite. This is the README's test command; .ci/run calls it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo test --workspace --all-targets --locked
-cargo test --workspace --doc --locked
 
 # Python binding (crates/py): build the kvroute wheel with maturin (debug profile: quick to build,
 # and the tests do not need speed), install it into a virtualenv and run its pytest suite. The
-# virtualenv is $KVROUTE_PY_VENV or ./.venv when one exists there, else a new ./.venv.
+# virtualenv is $KVROUTE_PY_VENV or ./.venv when one exists there, else a new ./.venv. Its
+# packages install from the network while the Rust tests build and run.
 py_venv=""
 for candidate in "${KVROUTE_PY_VENV:-}" .venv; do
     if [ -n "$candidate" ] && [ -x "$candidate/bin/python" ]; then
@@ -22,12 +21,25 @@ if [ -z "$py_venv" ]; then
 fi
 py="$(cd "$py_venv" && pwd)/bin/python"
 "$py" -m pip install --quiet --disable-pip-version-check \
-    maturin pytest pytest-asyncio pyzmq msgspec
+    maturin pytest pytest-asyncio pyzmq msgspec &
+pip_pid=$!
+trap 'kill "$pip_pid" 2>/dev/null || true' EXIT
+
+cargo test --workspace --all-targets --locked
+echo "== scripts/test.sh: Rust tests passed at ${SECONDS} s"
+cargo test --workspace --doc --locked
+echo "== scripts/test.sh: doc tests passed at ${SECONDS} s"
+
+if ! wait "$pip_pid"; then
+    echo "installing the Python test dependencies (maturin, pytest, ...) failed" >&2
+    exit 1
+fi
 rm -rf target/py/wheels
 # Its own target dir (maturin's PYO3_* environment would make pyo3 rebuild in turn with the Rust
 # tests); no debug info, which a test wheel does not need and which costs a fifth of the build.
 CARGO_TARGET_DIR=target/py CARGO_PROFILE_DEV_DEBUG=0 "$py" -m maturin build --locked \
     --manifest-path crates/py/Cargo.toml --out target/py/wheels
+echo "== scripts/test.sh: wheel built at ${SECONDS} s"
 "$py" -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps \
     target/py/wheels/kvroute-*.whl
 pytest_status=0
