@@ -14,6 +14,9 @@
 //! - `ttl_insert_expire_64_blocks_1000_ranks`: insert a prompt on a rank of a partition holding
 //!   ~130k predicted blocks and expire what ran out, with time advancing 10 ms per insert.
 
+mod common;
+
+use common::scaled;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
@@ -30,8 +33,9 @@ const SYSTEM_BLOCKS: u64 = 32;
 const OWN_BLOCKS: u64 = 32;
 const IN_FLIGHT: usize = 4;
 
+/// The fleet's ranks (a tenth of them in a smoke run).
 fn ranks() -> Vec<Rank> {
-    (0..WORKERS)
+    (0..scaled(WORKERS as usize, 25) as u64)
         .flat_map(|w| (0..DP_SIZE).map(move |d| Rank::new(w, d)))
         .collect()
 }
@@ -152,12 +156,12 @@ fn bench_lru(c: &mut Criterion) {
 }
 
 fn bench_release_burst(c: &mut Criterion) {
-    const BURST_RANKS: usize = 100;
     const LEASES_PER_RANK: usize = 100;
+    let burst_ranks = scaled(100, 10);
     let now = Instant::now();
     let mut model = LruModel::new(LruConfig::default());
-    let mut ids = Vec::with_capacity(BURST_RANKS * LEASES_PER_RANK);
-    for r in 0..BURST_RANKS {
+    let mut ids = Vec::with_capacity(burst_ranks * LEASES_PER_RANK);
+    for r in 0..burst_ranks {
         let rank = Rank::new(r as u64, 0);
         if model.set_rank(rank, POOL_BLOCKS).is_err() {
             panic!("set_rank refused");
@@ -226,7 +230,7 @@ fn bench_ttl(c: &mut Criterion) {
             expired.expired_blocks,
         )
     };
-    for _ in 0..12_000 {
+    for _ in 0..scaled(12_000, 1_200) {
         now += Duration::from_millis(10);
         insert(&mut model, now);
     }

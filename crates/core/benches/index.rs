@@ -11,7 +11,7 @@ mod common;
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-use common::{BLOCK_SIZE, fleet_events, store_event, trace_prompts};
+use common::{BLOCK_SIZE, fleet_events, scaled, store_event, trace_prompts};
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use kvroute_core::event::Rank;
 use kvroute_core::hash::{BASE_SEED, PromptHashes, local_hashes, sequence_hashes};
@@ -69,9 +69,9 @@ fn bench_find_matches(c: &mut Criterion) {
     assert_eq!(query_local.len(), PROMPT_BLOCKS);
     let query = sequence_hashes(&query_local);
     let mut group = c.benchmark_group("find_matches");
-    for ranks in [8u64, 64, 1000] {
+    for ranks in [8u64, 64, scaled(1000, 100) as u64] {
         let index = fleet_with_prompt(ranks, &prompts, &query_local);
-        let mut samples: Vec<f64> = (0..2000)
+        let mut samples: Vec<f64> = (0..scaled(2000, 20))
             .map(|_| {
                 let start = Instant::now();
                 black_box(index.find_matches(black_box(&query)));
@@ -102,7 +102,7 @@ fn bench_apply_stored(c: &mut Criterion) {
     let prompts = trace_prompts(usize::MAX);
     let mut group = c.benchmark_group("apply");
     group.sample_size(10);
-    for ranks in [64u64, 1000] {
+    for ranks in [64u64, scaled(1000, 100) as u64] {
         let events = fleet_events(ranks, &prompts);
         let blocks: usize = events
             .iter()

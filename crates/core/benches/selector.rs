@@ -10,7 +10,7 @@ mod common;
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-use common::{BLOCK_SIZE, fleet_events, store_event, trace_prompts};
+use common::{BLOCK_SIZE, fleet_events, scaled, store_event, trace_prompts};
 use criterion::{Criterion, criterion_group, criterion_main};
 use kvroute_core::error::PartitionKey;
 use kvroute_core::event::Rank;
@@ -25,6 +25,11 @@ use std::time::Instant;
 const PROMPT_TOKENS: usize = 131_072;
 const RANKS: u64 = 1000;
 
+/// The fleet's ranks: [`RANKS`], a tenth of them in a smoke run.
+fn ranks() -> u64 {
+    scaled(RANKS as usize, 100) as u64
+}
+
 fn long_prompt() -> Vec<u32> {
     (0..PROMPT_TOKENS as u32)
         .map(|t| t.wrapping_mul(2_654_435_761) % 150_000)
@@ -33,7 +38,7 @@ fn long_prompt() -> Vec<u32> {
 
 fn fleet(prompt: &[u32]) -> Selector {
     let mut selector = Selector::default();
-    for w in 0..RANKS {
+    for w in 0..ranks() {
         selector
             .upsert_worker(WorkerSpec {
                 worker_id: w,
@@ -47,12 +52,12 @@ fn fleet(prompt: &[u32]) -> Selector {
             .expect("upsert");
     }
     let prompts = trace_prompts(usize::MAX);
-    for (rank, event) in fleet_events(RANKS, &prompts) {
+    for (rank, event) in fleet_events(ranks(), &prompts) {
         selector.apply_events(rank.worker_id, rank.dp_rank, &[event]);
     }
     let query_local = local_hashes(prompt, BLOCK_SIZE, BASE_SEED);
     let mut rng = SmallRng::seed_from_u64(7);
-    for w in 0..RANKS {
+    for w in 0..ranks() {
         let len = rng.random_range(0..=query_local.len());
         let mut held = HashSet::new();
         if let Some(event) = store_event(&mut held, &query_local[..len]) {
@@ -80,7 +85,7 @@ fn bench_select(c: &mut Criterion) {
             cache_salt: None,
         },
     );
-    let mut samples: Vec<f64> = (0..2000)
+    let mut samples: Vec<f64> = (0..scaled(2000, 20))
         .map(|_| {
             let start = Instant::now();
             black_box(

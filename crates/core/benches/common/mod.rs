@@ -11,6 +11,19 @@ pub const BLOCK_SIZE: usize = 64;
 /// Mooncake hash ids stand for 512-token blocks: 8 blocks of 64 tokens each.
 pub const SUB_BLOCKS: u64 = 8;
 
+/// Whether this is `cargo test`'s smoke run of a bench (criterion's test mode: no `--bench`
+/// flag, or `--test`). It only has to show that every bench still runs, on a debug build: with
+/// the whole trace and the full sample loops that took the index and selector benches minutes.
+pub fn smoke_run() -> bool {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter().any(|a| a == "--test") || !args.iter().any(|a| a == "--bench")
+}
+
+/// `full` in a real run, `smoke` in a smoke run.
+pub fn scaled(full: usize, smoke: usize) -> usize {
+    if smoke_run() { smoke } else { full }
+}
+
 pub fn trace_path() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../../shared/traces/mooncake/conversation_trace.jsonl")
@@ -23,8 +36,10 @@ pub fn tokens_for_id(id: u64) -> Vec<u32> {
         .collect()
 }
 
-/// Each trace request as the local hashes of its full 64-token blocks (capped at its length).
+/// Each trace request as the local hashes of its full 64-token blocks (capped at its length);
+/// the first 200 only in a smoke run.
 pub fn trace_prompts(limit: usize) -> Vec<Vec<u64>> {
+    let limit = limit.min(scaled(usize::MAX, 200));
     let Ok(text) = std::fs::read_to_string(trace_path()) else {
         eprintln!(
             "trace not found at {:?}; using a synthetic workload",
