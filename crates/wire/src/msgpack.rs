@@ -1024,6 +1024,52 @@ mod tests {
     }
 
     #[test]
+    fn token_ids_with_an_odd_form_anywhere_in_a_long_list_decode_or_fail_as_one_by_one() {
+        // The odd id (a non-shortest uint64, an int8, a negative value) sits at every position,
+        // so the word path meets it at the start, in the middle and in the last few bytes.
+        let tokens: Vec<u32> = (0..48u32)
+            .map(|i| [5, 200, 40_000, 151_000][i as usize % 4] + i)
+            .collect();
+        for at in 0..tokens.len() {
+            for (odd, value) in [
+                (vec![0xcf, 0, 0, 0, 0, 0, 0, 1, 0], Some(256)),
+                (vec![0xd0, 0x05], Some(5)),
+                (vec![0xff], None),
+            ] {
+                let mut buf = vec![0xdc, 0x00, tokens.len() as u8];
+                let mut expected = Vec::new();
+                for (i, &t) in tokens.iter().enumerate() {
+                    if i == at {
+                        buf.extend_from_slice(&odd);
+                        expected.extend(value);
+                    } else {
+                        Writer::new(&mut buf).uint(u64::from(t));
+                        expected.push(t);
+                    }
+                }
+                let mut r = Reader::new(&buf);
+                match value {
+                    Some(_) => {
+                        assert_eq!(
+                            r.token_ids("token_ids").unwrap(),
+                            expected,
+                            "odd id at {at}"
+                        );
+                        assert_eq!(r.remaining(), 0);
+                    }
+                    None => assert!(
+                        matches!(
+                            r.token_ids("token_ids"),
+                            Err(WireError::InvalidValue { .. })
+                        ),
+                        "negative id at {at}"
+                    ),
+                }
+            }
+        }
+    }
+
+    #[test]
     fn token_ids_truncated_in_the_word_path_is_an_error() {
         let mut buf = Vec::new();
         Writer::new(&mut buf).token_ids(&[0x1_0000; 20]);
