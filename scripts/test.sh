@@ -34,6 +34,7 @@ if ! wait "$pip_pid"; then
     echo "installing the Python test dependencies (maturin, pytest, ...) failed" >&2
     exit 1
 fi
+trap - EXIT
 rm -rf target/py/wheels
 # Its own target dir (maturin's PYO3_* environment would make pyo3 rebuild in turn with the Rust
 # tests); no debug info, which a test wheel does not need and which costs a fifth of the build.

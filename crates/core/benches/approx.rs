@@ -35,7 +35,7 @@ const IN_FLIGHT: usize = 4;
 
 /// The fleet's ranks (a tenth of them in a smoke run).
 fn ranks() -> Vec<Rank> {
-    (0..scaled(WORKERS as usize, 25) as u64)
+    (0..scaled(WORKERS, 25))
         .flat_map(|w| (0..DP_SIZE).map(move |d| Rank::new(w, d)))
         .collect()
 }

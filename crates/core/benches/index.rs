@@ -69,7 +69,7 @@ fn bench_find_matches(c: &mut Criterion) {
     assert_eq!(query_local.len(), PROMPT_BLOCKS);
     let query = sequence_hashes(&query_local);
     let mut group = c.benchmark_group("find_matches");
-    for ranks in [8u64, 64, scaled(1000, 100) as u64] {
+    for ranks in [8u64, 64, scaled(1000, 100)] {
         let index = fleet_with_prompt(ranks, &prompts, &query_local);
         let mut samples: Vec<f64> = (0..scaled(2000, 20))
             .map(|_| {
@@ -102,7 +102,7 @@ fn bench_apply_stored(c: &mut Criterion) {
     let prompts = trace_prompts(usize::MAX);
     let mut group = c.benchmark_group("apply");
     group.sample_size(10);
-    for ranks in [64u64, scaled(1000, 100) as u64] {
+    for ranks in [64u64, scaled(1000, 100)] {
         let events = fleet_events(ranks, &prompts);
         let blocks: usize = events
             .iter()

@@ -31,8 +31,7 @@ const PROBE_BLOCKS: u64 = 2048;
 
 /// The fleet's ranks (a tenth of them in a smoke run).
 fn ranks() -> impl Iterator<Item = Rank> {
-    (0..scaled(WORKERS as usize, 25) as u64)
-        .flat_map(|w| (0..DP_SIZE).map(move |d| Rank::new(w, d)))
+    (0..scaled(WORKERS, 25)).flat_map(|w| (0..DP_SIZE).map(move |d| Rank::new(w, d)))
 }
 
 /// A prompt: the shared system prompt, then `own` blocks from a private hash range.

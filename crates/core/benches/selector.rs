@@ -27,7 +27,7 @@ const RANKS: u64 = 1000;
 
 /// The fleet's ranks: [`RANKS`], a tenth of them in a smoke run.
 fn ranks() -> u64 {
-    scaled(RANKS as usize, 100) as u64
+    scaled(RANKS, 100)
 }
 
 fn long_prompt() -> Vec<u32> {

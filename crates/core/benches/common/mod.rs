@@ -15,12 +15,15 @@ pub const SUB_BLOCKS: u64 = 8;
 /// flag, or `--test`). It only has to show that every bench still runs, on a debug build: with
 /// the whole trace and the full sample loops that took the index and selector benches minutes.
 pub fn smoke_run() -> bool {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter().any(|a| a == "--test") || !args.iter().any(|a| a == "--bench")
+    static SMOKE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SMOKE.get_or_init(|| {
+        let args: Vec<String> = std::env::args().collect();
+        args.iter().any(|a| a == "--test") || !args.iter().any(|a| a == "--bench")
+    })
 }
 
 /// `full` in a real run, `smoke` in a smoke run.
-pub fn scaled(full: usize, smoke: usize) -> usize {
+pub fn scaled<T>(full: T, smoke: T) -> T {
     if smoke_run() { smoke } else { full }
 }
 
