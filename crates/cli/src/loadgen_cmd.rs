@@ -15,7 +15,7 @@ use kvroute_service::client::HttpClient;
 use kvroute_service::fake_engine::{
     FakeEngine, StoredBlocks, removed_event, stored_event_packed, stored_event_with_hashes,
 };
-use kvroute_service::ingest::lower_current_thread_priority;
+use kvroute_service::ingest::{idle_current_thread, lower_current_thread_priority};
 use kvroute_wire::{Encoding, PackedRun, PackedTokens, RawEvent};
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -69,6 +69,12 @@ pub struct LoadgenArgs {
     /// 256 routed prompts wait to be published; beyond that the clients wait for the engines).
     #[arg(long, default_value_t = 0)]
     pub engine_nice: u8,
+    /// Run the fake engines' thread under Linux's `SCHED_IDLE` instead (`--engine-nice` is then
+    /// ignored): it gets a core only when no thread of the service or the clients wants one,
+    /// and gives it up as soon as one wakes. Closer to engines on other hosts than nice 19,
+    /// which still takes its slice of a core (over a millisecond) once the scheduler picks it.
+    #[arg(long, default_value_t = false)]
+    pub engine_idle: bool,
     /// Concurrent keep-alive connections (closed loop).
     #[arg(long, default_value_t = 32)]
     pub concurrency: usize,
@@ -956,6 +962,7 @@ async fn run_async(
         "events": args.events_base_port.is_some(),
         "event_storm_prompts": storm_prompts,
         "engine_nice": args.engine_nice,
+        "engine_idle": args.engine_idle,
         "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
     }))
 }
@@ -1008,13 +1015,16 @@ pub fn run(args: LoadgenArgs) -> ExitCode {
         }
     };
     let nice = args.engine_nice.min(19);
+    let idle = args.engine_idle;
     let engines_rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .thread_name("fake-engines")
         .enable_all()
         .on_thread_start(move || {
-            // Best effort, as before: the engines still publish at normal priority.
-            let _ = lower_current_thread_priority(nice);
+            // Best effort: failing that, the engines publish at normal priority.
+            if !idle || idle_current_thread().is_err() {
+                let _ = lower_current_thread_priority(nice);
+            }
         })
         .build()
     {

@@ -173,6 +173,29 @@ pub fn lower_current_thread_priority(nice: u8) -> Result<(), String> {
     .map_err(|e| format!("{e:?}"))
 }
 
+/// Moves the calling thread to Linux's `SCHED_IDLE` class: it gets a core only when no normal
+/// thread wants one, and a normal thread that wakes takes the core from it at once. (Elsewhere an
+/// error.)
+pub fn idle_current_thread() -> Result<(), String> {
+    #[cfg(target_os = "linux")]
+    {
+        use thread_priority::unix::{
+            NormalThreadSchedulePolicy, ThreadSchedulePolicy, set_thread_priority_and_policy,
+            thread_native_id,
+        };
+        set_thread_priority_and_policy(
+            thread_native_id(),
+            thread_priority::ThreadPriority::Min,
+            ThreadSchedulePolicy::Normal(NormalThreadSchedulePolicy::Idle),
+        )
+        .map_err(|e| format!("{e:?}"))
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        Err("SCHED_IDLE exists only on Linux".to_string())
+    }
+}
+
 /// The listeners' runtime: one worker thread, lowered to `nice` when above 0.
 fn ingest_runtime(nice: u8) -> std::io::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
@@ -351,4 +374,30 @@ fn listener_specs(record: &WorkerRecord) -> Vec<ListenerSpec> {
             replay_endpoint: replay_endpoint.clone(),
         })
         .collect()
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use super::*;
+    use thread_priority::unix::{
+        NormalThreadSchedulePolicy, ThreadSchedulePolicy, thread_schedule_policy,
+    };
+
+    #[test]
+    fn idle_moves_only_the_calling_thread_to_sched_idle() {
+        let policy = std::thread::spawn(|| {
+            idle_current_thread().expect("any thread may lower itself to SCHED_IDLE");
+            thread_schedule_policy().expect("policy readable")
+        })
+        .join()
+        .expect("thread ran");
+        assert_eq!(
+            policy,
+            ThreadSchedulePolicy::Normal(NormalThreadSchedulePolicy::Idle)
+        );
+        assert_eq!(
+            thread_schedule_policy().expect("policy readable"),
+            ThreadSchedulePolicy::Normal(NormalThreadSchedulePolicy::Other)
+        );
+    }
 }
