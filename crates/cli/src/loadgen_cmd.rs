@@ -75,6 +75,10 @@ pub struct LoadgenArgs {
     /// which still takes its slice of a core (over a millisecond) once the scheduler picks it.
     #[arg(long, default_value_t = false)]
     pub engine_idle: bool,
+    /// How long each fake engine waits, before the run, for the service to subscribe to it
+    /// (0: publish at once, e.g. to engines nobody subscribes to).
+    #[arg(long, default_value_t = 5)]
+    pub subscriber_wait_secs: u64,
     /// Concurrent keep-alive connections (closed loop).
     #[arg(long, default_value_t = 32)]
     pub concurrency: usize,
@@ -745,10 +749,11 @@ async fn run_async(
     .await
     .ok_or("the fake engines' runtime stopped")??;
     register(addr, &args).await?;
-    if let Some(engines) = &engines {
+    if let (Some(engines), true) = (&engines, args.subscriber_wait_secs > 0) {
         // Let the service's listeners connect before the first events are published (all
         // engines at once: each wait ends with a short pause for the subscription frame).
         let engines = Arc::clone(engines);
+        let wait = Duration::from_secs(args.subscriber_wait_secs);
         on_engines(&engines_rt, async move {
             let mut waits = tokio::task::JoinSet::new();
             for at in 0..engines.len() {
@@ -759,7 +764,7 @@ async fn run_async(
                             .lock()
                             .await
                             .engine
-                            .wait_for_subscribers(1, Duration::from_secs(5))
+                            .wait_for_subscribers(1, wait)
                             .await;
                     }
                 });
