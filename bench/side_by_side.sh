@@ -203,7 +203,7 @@ DURATION=$STORM_DURATION run kvroute "$KV_PORT" select quiet 0 --engine-idle
 # nothing. At SCHED_IDLE the fake engines get a core only when the service and the clients leave
 # one, and give it up as soon as one of theirs wakes. (At nice 19 they still took their whole
 # slice once picked: the same storm published to no subscriber raised kvroute's p99 by
-# 1.38–1.75×, against 1.10–1.43× at SCHED_IDLE.)
+# 1.22–1.77× in alternating runs, against 1.12–1.43× at SCHED_IDLE; see BENCHMARKS.md.)
 storm_run storm --engine-idle
 drain
 DURATION=$STORM_DURATION run kvroute "$KV_PORT" select quiet-colocated 0
