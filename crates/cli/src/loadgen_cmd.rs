@@ -749,7 +749,9 @@ async fn run_async(
     .await
     .ok_or("the fake engines' runtime stopped")??;
     register(addr, &args).await?;
-    if let (Some(engines), true) = (&engines, args.subscriber_wait_secs > 0) {
+    if let Some(engines) = &engines
+        && args.subscriber_wait_secs > 0
+    {
         // Let the service's listeners connect before the first events are published (all
         // engines at once: each wait ends with a short pause for the subscription frame).
         let engines = Arc::clone(engines);
