@@ -13,7 +13,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use common::{BLOCK_SIZE, fleet_events, scaled, store_event, trace_prompts};
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use kvroute_core::event::Rank;
+use kvroute_core::event::{KvEvent, Rank};
 use kvroute_core::hash::{BASE_SEED, PromptHashes, local_hashes, sequence_hashes};
 use kvroute_core::index::RadixIndex;
 use rand::rngs::SmallRng;
@@ -131,10 +131,63 @@ fn bench_apply_stored(c: &mut Criterion) {
     group.finish();
 }
 
+/// The same fleet's blocks stored, then removed again, each `Stored` event answered by a
+/// `Removed` of its blocks in store order (as a full engine evicts): the removals' share is this
+/// bench's time less `apply_stored_mooncake_trace`'s.
+fn bench_apply_stored_then_removed(c: &mut Criterion) {
+    let prompts = trace_prompts(usize::MAX);
+    let mut group = c.benchmark_group("apply");
+    group.sample_size(10);
+    let ranks = 64u64;
+    let events = fleet_events(ranks, &prompts);
+    let removals: Vec<(Rank, KvEvent)> = events
+        .iter()
+        .filter_map(|(rank, e)| match e {
+            KvEvent::Stored { blocks, tier, .. } => Some((
+                *rank,
+                KvEvent::Removed {
+                    engine_hashes: blocks.iter().map(|b| b.engine_hash).collect(),
+                    tier: *tier,
+                },
+            )),
+            _ => None,
+        })
+        .collect();
+    let blocks: usize = removals
+        .iter()
+        .map(|(_, e)| match e {
+            KvEvent::Removed { engine_hashes, .. } => engine_hashes.len(),
+            _ => 0,
+        })
+        .sum();
+    group.throughput(Throughput::Elements(blocks as u64));
+    group.bench_function(
+        BenchmarkId::new(
+            "apply_stored_then_removed_mooncake_trace",
+            format!("{ranks}_ranks_{blocks}_blocks"),
+        ),
+        |b| {
+            b.iter(|| {
+                let mut index = RadixIndex::default();
+                for (rank, event) in &events {
+                    index.apply(*rank, event);
+                }
+                for (rank, event) in &removals {
+                    index.apply(*rank, event);
+                }
+                assert_eq!(index.block_count(), 0, "every block was removed");
+                index
+            })
+        },
+    );
+    group.finish();
+}
+
 criterion_group!(
     benches,
     bench_hashing,
     bench_find_matches,
-    bench_apply_stored
+    bench_apply_stored,
+    bench_apply_stored_then_removed
 );
 criterion_main!(benches);

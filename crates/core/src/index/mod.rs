@@ -463,9 +463,7 @@ impl RadixIndex {
                 tier,
             } => {
                 if let Some(&slot) = self.slot_of.get(&rank) {
-                    for &h in engine_hashes {
-                        self.remove_one(slot, h, *tier, &mut outcome);
-                    }
+                    self.remove(slot, engine_hashes, *tier, &mut outcome);
                 } else {
                     outcome.unknown_removed_blocks += engine_hashes.len() as u64;
                 }
@@ -797,10 +795,48 @@ impl RadixIndex {
         self.update_presence(slot, entry.node(), transitions, 0, -1);
     }
 
-    fn remove_one(&mut self, slot: u32, engine_hash: u64, tier: Tier, outcome: &mut ApplyOutcome) {
+    /// Removes the blocks of a `Removed` event a chunk at a time: like [`Self::store`], it first
+    /// looks up every block of the chunk in the rank's table, then their nodes and the nodes'
+    /// places in `sequence hash → node`, back to back, so that the cache misses of a chunk
+    /// overlap; the removals then find those lines in cache.
+    fn remove(&mut self, slot: u32, engine_hashes: &[u64], tier: Tier, outcome: &mut ApplyOutcome) {
+        let mut keys = [0u64; REMOVE_CHUNK];
+        let mut found = [u32::MAX; REMOVE_CHUNK];
+        for chunk in engine_hashes.chunks(REMOVE_CHUNK) {
+            let blocks_of_rank = &self.slots[slot as usize].blocks;
+            for ((k, f), &h) in keys.iter_mut().zip(&mut found).zip(chunk) {
+                *k = self.hasher.hash_one(h);
+                *f = blocks_of_rank
+                    .find(*k, |e| e.engine_hash() == h)
+                    .map_or(u32::MAX, |e| e.node());
+            }
+            let mut warm = 0u64;
+            for &node in &found[..chunk.len()] {
+                if node < self.nodes.len {
+                    let key = self.hasher.hash_one(self.nodes.get(node).sequence_hash);
+                    if let Some(&n) = self.by_sequence.find(key, |&n| n == node) {
+                        warm ^= u64::from(n);
+                    }
+                }
+            }
+            std::hint::black_box(warm);
+            for (&h, &key) in chunk.iter().zip(&keys) {
+                self.remove_one(slot, h, key, tier, outcome);
+            }
+        }
+    }
+
+    /// Removes one block of a `Removed` event; `hash` is the table hash of its engine hash.
+    fn remove_one(
+        &mut self,
+        slot: u32,
+        engine_hash: u64,
+        hash: u64,
+        tier: Tier,
+        outcome: &mut ApplyOutcome,
+    ) {
         let t = tier.index();
         let bit: TierMask = 1 << t;
-        let hash = self.hasher.hash_one(engine_hash);
         let nodes = &self.nodes;
         let RankSlot {
             blocks,
@@ -1000,6 +1036,8 @@ fn note_alias(rank_slot: &mut RankSlot, node: u32, held: TierMask) {
 /// Number of stored blocks looked up together before they are stored, so their cache misses
 /// overlap.
 const STORE_CHUNK: usize = 16;
+/// Blocks of a `Removed` event looked up together before they are removed.
+const REMOVE_CHUNK: usize = 16;
 
 /// Number of prompt blocks whose nodes are looked up together, so their cache misses overlap.
 const LOOKUP_CHUNK: usize = 32;
