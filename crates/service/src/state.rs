@@ -24,7 +24,7 @@ struct SelectorSink {
     queue: std::sync::mpsc::SyncSender<(u64, u32, Vec<KvEvent>)>,
 }
 
-/// Most blocks applied under one acquisition of the write lock.
+/// Most blocks applied under one acquisition of the write lock (one event may go past it).
 const APPLY_BLOCKS_PER_LOCK: usize = 256;
 /// The applier holds the write lock at most this share of the time: after a hold it pauses
 /// `(1 / share − 1)` times as long. At ~5 M blocks/s of apply speed that still ingests over a
@@ -50,6 +50,17 @@ fn event_blocks(events: &[KvEvent]) -> usize {
             KvEvent::Cleared => 1,
         })
         .sum()
+}
+
+/// Where the events one hold applies from `events[at]` end: events are taken while the hold's
+/// `blocks` are below `budget` (so the last one may go past it), and `blocks` counts them.
+fn hold_end(events: &[KvEvent], at: usize, blocks: &mut usize, budget: usize) -> usize {
+    let mut end = at;
+    while end < events.len() && *blocks < budget {
+        *blocks += event_blocks(&events[end..=end]);
+        end += 1;
+    }
+    end
 }
 
 /// Tells the HTTP handlers when the applier holds (or is about to take) the selector's write
@@ -100,6 +111,11 @@ impl ApplierGate {
 }
 
 /// The applier thread's loop: ends when every listener and the manager have dropped the sink.
+///
+/// Work is cut into holds of at most [`APPLY_BLOCKS_PER_LOCK`] blocks, also inside one message:
+/// an engine that fell behind sends its backlog as one message of thousands of blocks, and one
+/// hold that long (hundreds of µs) parks every request until it ends, so the other core runs
+/// dry. Events of one message are applied in order, whatever the cuts.
 fn run_applier(
     queue: std::sync::mpsc::Receiver<(u64, u32, Vec<KvEvent>)>,
     selector: Arc<RwLock<Selector>>,
@@ -107,29 +123,37 @@ fn run_applier(
     gate: Arc<ApplierGate>,
 ) {
     while let Ok(first) = queue.recv() {
-        let mut next = Some(first);
-        let started = std::time::Instant::now();
-        let hold = gate.close();
-        let mut selector = selector.write();
-        let mut blocks = 0;
-        while let Some((worker_id, dp_rank, events)) = next.take() {
-            blocks += event_blocks(&events);
-            match selector.apply_events(worker_id, dp_rank, &events) {
-                Some(outcome) => metrics.count_events(&outcome),
-                None => {
-                    metrics.count_dropped_events("any", "unknown_worker", events.len() as u64);
+        // The message being applied and its first event not yet applied.
+        let mut current = Some((first, 0usize));
+        while current.is_some() {
+            let started = std::time::Instant::now();
+            let hold = gate.close();
+            let mut selector = selector.write();
+            let mut blocks = 0;
+            while blocks < APPLY_BLOCKS_PER_LOCK {
+                let Some(((worker_id, dp_rank, events), at)) = current.as_mut() else {
+                    break;
+                };
+                let end = hold_end(events, *at, &mut blocks, APPLY_BLOCKS_PER_LOCK);
+                let part = &events[*at..end];
+                match selector.apply_events(*worker_id, *dp_rank, part) {
+                    Some(outcome) => metrics.count_events(&outcome),
+                    None => {
+                        metrics.count_dropped_events("any", "unknown_worker", part.len() as u64);
+                    }
+                }
+                *at = end;
+                if end >= events.len() {
+                    current = queue.try_recv().ok().map(|next| (next, 0));
                 }
             }
-            if blocks < APPLY_BLOCKS_PER_LOCK {
-                next = queue.try_recv().ok();
+            // Hand the lock to the selects waiting for it rather than taking it straight back.
+            parking_lot::RwLockWriteGuard::unlock_fair(selector);
+            drop(hold);
+            let held = started.elapsed();
+            if held > Duration::from_micros(20) {
+                std::thread::sleep(held.mul_f64(1.0 / APPLY_LOCK_SHARE - 1.0));
             }
-        }
-        // Hand the lock to the selects waiting for it rather than taking it straight back.
-        parking_lot::RwLockWriteGuard::unlock_fair(selector);
-        drop(hold);
-        let held = started.elapsed();
-        if held > Duration::from_micros(20) {
-            std::thread::sleep(held.mul_f64(1.0 / APPLY_LOCK_SHARE - 1.0));
         }
     }
 }
@@ -230,7 +254,46 @@ impl AppState {
 
 #[cfg(test)]
 mod tests {
-    use super::ApplierGate;
+    use super::{ApplierGate, hold_end};
+    use kvroute_core::event::{KvEvent, Tier};
+
+    fn removed(blocks: u64) -> KvEvent {
+        KvEvent::Removed {
+            engine_hashes: (0..blocks).collect(),
+            tier: Tier::Device,
+        }
+    }
+
+    /// One message of many blocks is cut into several holds, each ending once it reaches the
+    /// budget, and a hold that has room goes on into the next message.
+    #[test]
+    fn holds_end_at_the_budget_also_inside_one_message() {
+        let events = [
+            removed(100),
+            removed(100),
+            removed(100),
+            removed(300),
+            removed(10),
+        ];
+        let mut blocks = 0;
+        assert_eq!(hold_end(&events, 0, &mut blocks, 256), 3);
+        assert_eq!(blocks, 300);
+        let mut blocks = 0;
+        assert_eq!(hold_end(&events, 3, &mut blocks, 256), 4);
+        assert_eq!(blocks, 300);
+        let mut blocks = 0;
+        assert_eq!(hold_end(&events, 4, &mut blocks, 256), 5);
+        assert_eq!(blocks, 10);
+        // The next message continues the same hold with what is left of the budget.
+        assert_eq!(hold_end(&events, 0, &mut blocks, 256), 3);
+        assert_eq!(blocks, 310);
+        // A hold that is already full takes nothing more.
+        assert_eq!(hold_end(&events, 1, &mut blocks, 256), 1);
+        // One event past the budget is applied whole, alone.
+        let mut blocks = 0;
+        assert_eq!(hold_end(&[removed(1000)], 0, &mut blocks, 256), 1);
+        assert_eq!(blocks, 1000);
+    }
     use std::sync::Arc;
     use std::time::Duration;
 
