@@ -5,6 +5,8 @@
 //!   on one rank and free it again: the cost of one reservation's life, without lifecycle calls.
 //! - `load_book_free_128_blocks_idle_rank_1000_ranks`: the same on a rank with no other booking
 //!   (its state comes and goes with the booking).
+//! - `load_book_free_fresh_128_blocks_32_live_1000_ranks`: book a prompt of new blocks and free
+//!   the one booked 32 iterations before, as a closed loop of 32 clients does.
 //! - `load_book_output_x16_free_2048_blocks_1000_ranks`: the same with 16 output blocks reported.
 //! - `load_potential_decode_blocks_per_rank_1000_ranks_x_2048_blocks`: the single-rank query
 //!   called for every rank, O(ranks × prompt).
@@ -96,6 +98,30 @@ fn bench_book_free(c: &mut Criterion) {
             black_box(tracker.free("bench").is_ok())
         })
     });
+    // A closed loop's pattern: each iteration books a prompt never seen before (its blocks are
+    // new keys, scattered over the fleet's table) and frees the one booked 32 iterations ago.
+    let mut live = std::collections::VecDeque::new();
+    let mut serial = 0u64;
+    group.bench_function("load_book_free_fresh_128_blocks_32_live_1000_ranks", |b| {
+        b.iter(|| {
+            serial += 1;
+            let hashes: Arc<[u64]> = (0..128)
+                .map(|k| (2_000_000_000 + serial * 128 + k).wrapping_mul(0x9E37_79B9_7F4A_7C15))
+                .collect();
+            let id = format!("ring-{serial}");
+            let rank = Rank::new(serial % WORKERS, 0);
+            black_box(tracker.book(booking(id.clone(), rank, hashes), now).is_ok());
+            live.push_back(id);
+            if live.len() > 32
+                && let Some(old) = live.pop_front()
+            {
+                black_box(tracker.free(&old).is_ok());
+            }
+        })
+    });
+    for id in live.drain(..) {
+        black_box(tracker.free(&id).is_ok());
+    }
     let hashes = prompt(900_000_000, 2048);
     group.bench_function("load_book_output_x16_free_2048_blocks_1000_ranks", |b| {
         b.iter(|| {
