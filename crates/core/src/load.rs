@@ -763,7 +763,22 @@ impl RankTable {
         let Ok(key) = u32::try_from(slot) else {
             return false;
         };
-        let list = self.holders.entry(hash).or_default();
+        let list = match self.holders.entry(hash) {
+            // A block no live booking holds (the usual case for a prompt's own blocks): its
+            // list is written without being read, so the insertion's cache miss does not hold
+            // up the next block.
+            Entry::Vacant(vacant) => {
+                let mut list = HolderList::new();
+                list.push(holder(key, 1));
+                vacant.insert(list);
+                *hint = 0;
+                if let Some(Some(state)) = self.slots.get_mut(slot) {
+                    state.distinct_blocks += 1;
+                }
+                return false;
+            }
+            Entry::Occupied(occupied) => occupied.into_mut(),
+        };
         match holder_position_near(list, key, *hint) {
             Ok(i) => {
                 *hint = i;
