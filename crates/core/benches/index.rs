@@ -98,34 +98,41 @@ fn bench_find_matches(c: &mut Criterion) {
     group.finish();
 }
 
+/// Blocks stored or removed by the events.
+fn event_blocks(events: &[(Rank, KvEvent)]) -> usize {
+    events
+        .iter()
+        .map(|(_, e)| match e {
+            KvEvent::Stored { blocks, .. } => blocks.len(),
+            KvEvent::Removed { engine_hashes, .. } => engine_hashes.len(),
+            KvEvent::Cleared => 0,
+        })
+        .sum()
+}
+
+/// A new index with the events applied in order.
+fn fresh_index_with(events: &[(Rank, KvEvent)]) -> RadixIndex {
+    let mut index = RadixIndex::default();
+    for (rank, event) in events {
+        index.apply(*rank, event);
+    }
+    index
+}
+
 fn bench_apply_stored(c: &mut Criterion) {
     let prompts = trace_prompts(usize::MAX);
     let mut group = c.benchmark_group("apply");
     group.sample_size(10);
     for ranks in [64u64, scaled(1000, 100)] {
         let events = fleet_events(ranks, &prompts);
-        let blocks: usize = events
-            .iter()
-            .map(|(_, e)| match e {
-                kvroute_core::event::KvEvent::Stored { blocks, .. } => blocks.len(),
-                _ => 0,
-            })
-            .sum();
+        let blocks = event_blocks(&events);
         group.throughput(Throughput::Elements(blocks as u64));
         group.bench_function(
             BenchmarkId::new(
                 "apply_stored_mooncake_trace",
                 format!("{ranks}_ranks_{blocks}_blocks"),
             ),
-            |b| {
-                b.iter(|| {
-                    let mut index = RadixIndex::default();
-                    for (rank, event) in &events {
-                        index.apply(*rank, event);
-                    }
-                    index
-                })
-            },
+            |b| b.iter(|| fresh_index_with(&events)),
         );
     }
     group.finish();
@@ -153,13 +160,7 @@ fn bench_apply_stored_then_removed(c: &mut Criterion) {
             _ => None,
         })
         .collect();
-    let blocks: usize = removals
-        .iter()
-        .map(|(_, e)| match e {
-            KvEvent::Removed { engine_hashes, .. } => engine_hashes.len(),
-            _ => 0,
-        })
-        .sum();
+    let blocks = event_blocks(&removals);
     group.throughput(Throughput::Elements(blocks as u64));
     group.bench_function(
         BenchmarkId::new(
@@ -168,10 +169,7 @@ fn bench_apply_stored_then_removed(c: &mut Criterion) {
         ),
         |b| {
             b.iter(|| {
-                let mut index = RadixIndex::default();
-                for (rank, event) in &events {
-                    index.apply(*rank, event);
-                }
+                let mut index = fresh_index_with(&events);
                 for (rank, event) in &removals {
                     index.apply(*rank, event);
                 }

@@ -113,9 +113,9 @@ impl ApplierGate {
 /// The applier thread's loop: ends when every listener and the manager have dropped the sink.
 ///
 /// Work is cut into holds of at most [`APPLY_BLOCKS_PER_LOCK`] blocks, also inside one message:
-/// an engine that fell behind sends its backlog as one message of thousands of blocks, and one
-/// hold that long (hundreds of µs) parks every request until it ends, so the other core runs
-/// dry. Events of one message are applied in order, whatever the cuts.
+/// an engine that fell behind sends its backlog as one message of many hundreds of blocks, and
+/// one hold for all of it parks every request needing the selector until it ends. Events of one
+/// message are applied in order, whatever the cuts.
 fn run_applier(
     queue: std::sync::mpsc::Receiver<(u64, u32, Vec<KvEvent>)>,
     selector: Arc<RwLock<Selector>>,
