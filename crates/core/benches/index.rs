@@ -100,14 +100,7 @@ fn bench_find_matches(c: &mut Criterion) {
 
 /// Blocks stored or removed by the events.
 fn event_blocks(events: &[(Rank, KvEvent)]) -> usize {
-    events
-        .iter()
-        .map(|(_, e)| match e {
-            KvEvent::Stored { blocks, .. } => blocks.len(),
-            KvEvent::Removed { engine_hashes, .. } => engine_hashes.len(),
-            KvEvent::Cleared => 0,
-        })
-        .sum()
+    events.iter().map(|(_, e)| e.blocks()).sum()
 }
 
 /// A new index with the events applied in order.

@@ -86,3 +86,14 @@ pub enum KvEvent {
     /// Every block of the rank is gone.
     Cleared,
 }
+
+impl KvEvent {
+    /// Blocks the event names: stored or removed ones (none for `Cleared`).
+    pub fn blocks(&self) -> usize {
+        match self {
+            KvEvent::Stored { blocks, .. } => blocks.len(),
+            KvEvent::Removed { engine_hashes, .. } => engine_hashes.len(),
+            KvEvent::Cleared => 0,
+        }
+    }
+}

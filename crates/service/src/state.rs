@@ -41,15 +41,12 @@ impl EventSink for SelectorSink {
     }
 }
 
-fn event_blocks(events: &[KvEvent]) -> usize {
-    events
-        .iter()
-        .map(|e| match e {
-            KvEvent::Stored { blocks, .. } => blocks.len(),
-            KvEvent::Removed { engine_hashes, .. } => engine_hashes.len(),
-            KvEvent::Cleared => 1,
-        })
-        .sum()
+/// An event's share of a hold's budget: its blocks (a `Cleared` counts as one).
+fn event_work(event: &KvEvent) -> usize {
+    match event {
+        KvEvent::Cleared => 1,
+        event => event.blocks(),
+    }
 }
 
 /// Where the events one hold applies from `events[at]` end: events are taken while the hold's
@@ -57,7 +54,7 @@ fn event_blocks(events: &[KvEvent]) -> usize {
 fn hold_end(events: &[KvEvent], at: usize, blocks: &mut usize, budget: usize) -> usize {
     let mut end = at;
     while end < events.len() && *blocks < budget {
-        *blocks += event_blocks(&events[end..=end]);
+        *blocks += event_work(&events[end]);
         end += 1;
     }
     end
