@@ -8,7 +8,7 @@ use kvroute_core::event::KvEvent;
 use kvroute_core::selector::{Selector, WorkerRecord};
 use parking_lot::RwLock;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// Applies engine events to the selector (used by the listeners).
@@ -26,11 +26,18 @@ struct SelectorSink {
 
 /// Most blocks applied under one acquisition of the write lock (one event may go past it).
 const APPLY_BLOCKS_PER_LOCK: usize = 256;
-/// The applier holds the write lock at most this share of the time: after a hold it pauses
-/// `(1 / share − 1)` times as long. At ~5 M blocks/s of apply speed that still ingests over a
-/// million blocks per second; a storm beyond it backs up into the queue (and then the engines'
-/// sockets) instead of starving the selects.
-const APPLY_LOCK_SHARE: f64 = 0.25;
+/// The applier holds the write lock at most this share of the time, averaged over
+/// [`APPLY_LOCK_BURST`]: a budget of lock time that refills at this rate. An event storm beyond
+/// it backs up into the queue (and then the engines' sockets) instead of starving the selects;
+/// below it the applier never pauses, so the index keeps up with the engines.
+const APPLY_LOCK_SHARE: f64 = 0.5;
+/// The most lock time the budget saves up while the applier has little to do.
+const APPLY_LOCK_BURST: Duration = Duration::from_millis(4);
+/// Once the budget is spent, the applier pauses until it has refilled this much: a few holds'
+/// worth, so a storm costs one wake-up per few holds rather than one per hold.
+const APPLY_LOCK_RESUME: Duration = Duration::from_millis(1);
+/// How long, after a hold, the applier lets the requests it held up take the lock first.
+const APPLY_WAITERS_GRACE: Duration = Duration::from_micros(500);
 /// Decoded batches waiting for the applier.
 const APPLY_QUEUE: usize = 1024;
 
@@ -60,13 +67,67 @@ fn hold_end(events: &[KvEvent], at: usize, blocks: &mut usize, budget: usize) ->
     end
 }
 
+/// The applier's budget of write-lock time: a token bucket that refills at `share` seconds per
+/// second up to `burst`; each hold spends its length (timed from when the lock was acquired, so
+/// waiting for readers costs nothing). Pure: the caller passes the clock in.
+#[derive(Debug, Clone, Copy)]
+struct LockBudget {
+    share: f64,
+    burst: f64,
+    resume: f64,
+    /// Seconds of lock time left (below zero: overspent).
+    credit: f64,
+    at: Instant,
+}
+
+impl LockBudget {
+    fn new(share: f64, burst: Duration, resume: Duration, now: Instant) -> Self {
+        Self {
+            share,
+            burst: burst.as_secs_f64(),
+            resume: resume.as_secs_f64().min(burst.as_secs_f64()),
+            credit: burst.as_secs_f64(),
+            at: now,
+        }
+    }
+
+    fn refill(&mut self, now: Instant) {
+        let elapsed = now.saturating_duration_since(self.at).as_secs_f64();
+        self.credit = (self.credit + elapsed * self.share).min(self.burst);
+        self.at = now;
+    }
+
+    /// Spends a hold of length `held` that ended at `now`; returns how long to pause before the
+    /// next one: zero while the budget lasts, else until it has refilled to `resume`.
+    fn spend(&mut self, held: Duration, now: Instant) -> Duration {
+        self.refill(now);
+        self.credit -= held.as_secs_f64();
+        if self.credit >= 0.0 {
+            Duration::ZERO
+        } else {
+            Duration::from_secs_f64((self.resume - self.credit) / self.share)
+        }
+    }
+}
+
 /// Tells the HTTP handlers when the applier holds (or is about to take) the selector's write
 /// lock, so that a request needing the selector waits as a task, and the runtime's threads go on
 /// reading, parsing and answering other requests, instead of a thread blocking on the lock.
 #[derive(Default)]
 pub struct ApplierGate {
     holding: AtomicBool,
+    /// Requests waiting at the gate (they found it closed and have not passed yet).
+    waiting: AtomicUsize,
     released: tokio::sync::Notify,
+}
+
+/// Counts a request as waiting at the gate while it lives.
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// Keeps the gate closed while it lives: dropping it (also while unwinding from a panic) opens
@@ -94,6 +155,11 @@ impl ApplierGate {
     /// still meet the lock taken right after: it then waits on it as before, for at most one
     /// bounded hold.
     pub async fn passed(&self) {
+        if !self.holding.load(Ordering::SeqCst) {
+            return;
+        }
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        let _waiting = Waiting(&self.waiting);
         while self.holding.load(Ordering::SeqCst) {
             let released = self.released.notified();
             tokio::pin!(released);
@@ -103,6 +169,15 @@ impl ApplierGate {
                 return;
             }
             released.await;
+        }
+    }
+
+    /// After a hold: gives the requests it held up the time to pass the gate (and so queue for
+    /// the lock ahead of the next hold), for at most `grace`. Returns at once when none waited.
+    fn let_waiters_pass(&self, grace: Duration) {
+        let deadline = Instant::now() + grace;
+        while self.waiting.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
+            std::thread::yield_now();
         }
     }
 }
@@ -119,13 +194,19 @@ fn run_applier(
     metrics: Arc<Metrics>,
     gate: Arc<ApplierGate>,
 ) {
+    let mut budget = LockBudget::new(
+        APPLY_LOCK_SHARE,
+        APPLY_LOCK_BURST,
+        APPLY_LOCK_RESUME,
+        Instant::now(),
+    );
     while let Ok(first) = queue.recv() {
         // The message being applied and its first event not yet applied.
         let mut current = Some((first, 0usize));
         while current.is_some() {
-            let started = std::time::Instant::now();
             let hold = gate.close();
             let mut selector = selector.write();
+            let acquired = Instant::now();
             let mut blocks = 0;
             while blocks < APPLY_BLOCKS_PER_LOCK {
                 let Some(((worker_id, dp_rank, events), at)) = current.as_mut() else {
@@ -147,9 +228,12 @@ fn run_applier(
             // Hand the lock to the selects waiting for it rather than taking it straight back.
             parking_lot::RwLockWriteGuard::unlock_fair(selector);
             drop(hold);
-            let held = started.elapsed();
-            if held > Duration::from_micros(20) {
-                std::thread::sleep(held.mul_f64(1.0 / APPLY_LOCK_SHARE - 1.0));
+            let released = Instant::now();
+            let pause = budget.spend(released.duration_since(acquired), released);
+            if pause.is_zero() {
+                gate.let_waiters_pass(APPLY_WAITERS_GRACE);
+            } else {
+                std::thread::sleep(pause);
             }
         }
     }
@@ -251,7 +335,37 @@ impl AppState {
 
 #[cfg(test)]
 mod tests {
-    use super::{ApplierGate, hold_end};
+    use super::{ApplierGate, LockBudget, hold_end};
+    use std::time::Instant;
+
+    /// The budget lets holds through without a pause while the share is kept, and once it is
+    /// spent pauses until it has refilled to `resume`; idle time refills it only up to `burst`.
+    #[test]
+    fn the_lock_budget_pauses_only_past_its_share() {
+        let ms = Duration::from_millis;
+        let t0 = Instant::now();
+        let mut budget = LockBudget::new(0.5, ms(4), ms(1), t0);
+        // 4 ms saved up, refilling 0.5 ms per ms: 1 ms holds ending every 1 ms leave 3, 2.5, 2
+        // and 1.5 ms.
+        for i in 1..=4 {
+            assert_eq!(budget.spend(ms(1), t0 + ms(i)), Duration::ZERO, "hold {i}");
+        }
+        // 1.5 + 1 refilled − 2 = 0.5 ms left.
+        assert_eq!(budget.spend(ms(2), t0 + ms(6)), Duration::ZERO);
+        // 0.5 + 1.5 refilled − 3 = −1 ms: pause until 1 ms is back, (1 + 1) / 0.5 = 4 ms.
+        let pause = budget.spend(ms(3), t0 + ms(9));
+        assert!((pause.as_secs_f64() - 0.004).abs() < 1e-9, "{pause:?}");
+        // A long idle stretch refills only up to the burst: 4 ms, then 5 ms of holds overspend.
+        let later = t0 + Duration::from_secs(10);
+        assert_eq!(budget.spend(ms(4), later), Duration::ZERO);
+        assert!(budget.spend(ms(1), later) > Duration::ZERO);
+        // Holding the lock half the time forever never pauses.
+        let mut budget = LockBudget::new(0.5, ms(4), ms(1), t0);
+        for i in 1..=10_000u64 {
+            let end = t0 + Duration::from_micros(100 * i);
+            assert_eq!(budget.spend(Duration::from_micros(50), end), Duration::ZERO);
+        }
+    }
     use kvroute_core::event::{KvEvent, Tier};
 
     fn removed(blocks: u64) -> KvEvent {
@@ -357,6 +471,45 @@ mod tests {
             }
         });
         toggler.join().expect("toggler");
+    }
+
+    /// A request that met the closed gate counts as waiting until it has passed, and the
+    /// applier's grace after a hold ends as soon as none waits (or at its bound).
+    #[test]
+    fn the_gate_counts_the_requests_it_holds_up() {
+        use std::sync::atomic::Ordering;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let gate = Arc::new(ApplierGate::default());
+        // No waiter: the grace returns at once, whatever its bound.
+        let started = Instant::now();
+        gate.let_waiters_pass(Duration::from_secs(5));
+        assert!(started.elapsed() < Duration::from_secs(1));
+        let hold = gate.close();
+        let waiters: Vec<_> = (0..3)
+            .map(|_| {
+                let gate = Arc::clone(&gate);
+                runtime.spawn(async move { gate.passed().await })
+            })
+            .collect();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while gate.waiting.load(Ordering::SeqCst) < 3 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(gate.waiting.load(Ordering::SeqCst), 3);
+        // Still closed: the grace waits its whole (short) bound.
+        let started = Instant::now();
+        gate.let_waiters_pass(Duration::from_millis(20));
+        assert!(started.elapsed() >= Duration::from_millis(20));
+        drop(hold);
+        gate.let_waiters_pass(Duration::from_secs(5));
+        assert_eq!(gate.waiting.load(Ordering::SeqCst), 0);
+        for waiter in waiters {
+            runtime.block_on(waiter).expect("the waiter passes");
+        }
     }
 
     #[test]
