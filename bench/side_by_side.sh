@@ -91,6 +91,14 @@ KV_PID=$(pgrep -n -f "$kvroute serve --port $KV_PORT")
 # CPU time of a process, all threads, in clock ticks.
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 
+# Stored blocks kvroute applied so far (from its /metrics).
+stored_applied() {
+  in_ns python3 -c "
+import urllib.request
+t = urllib.request.urlopen('http://127.0.0.1:$KV_PORT/metrics', timeout=5).read().decode()
+print(sum(float(l.split()[-1]) for l in t.splitlines()
+          if l.startswith('kvroute_kv_events_total{') and 'type=\"stored\"' in l and 'status=\"applied\"' in l))"
+}
 trace_args=()
 [ -f "$TRACE" ] && trace_args=(--trace "$TRACE")
 run() { # name port mode round register [extra loadgen flags...]
@@ -105,17 +113,40 @@ run() { # name port mode round register [extra loadgen flags...]
   # The server's CPU time (all its threads) and the machine's counters around the run: CPU per
   # request does not depend on how fast the machine happened to be, and steal (time the
   # hypervisor gave to other guests) shows when it was slow.
-  local cpu_before stat_before
+  local cpu_before stat_before applied_before=0 applied_end=0 applied_settled=0 settle_s=0
+  # kvroute's cycle runs: how many of the run's KV events were applied only after it ended (a
+  # lagging index would make the run look cheaper than it was). Dynamo exposes no such count;
+  # its /dump stood still from a second after such a run (BENCHMARKS.md).
+  local track_lag=0
+  [ "$name" = kvroute ] && [ "$mode" = cycle ] && track_lag=1
+  [ "$track_lag" = 1 ] && applied_before=$(stored_applied)
   cpu_before=$(cpu_ticks "$server_pid")
   stat_before=$(head -1 /proc/stat)
   in_ns "$kvroute" loadgen --url "http://127.0.0.1:$port" --workers "$WORKERS" "${skip[@]}" \
     --events-base-port "$events_base" --engine-nice "${engine_nice:-$ENGINE_NICE}" --concurrency "$CONCURRENCY" --duration-secs "$DURATION" \
     --mode "$mode" --max-prompt-tokens "$MAX_PROMPT_TOKENS" "${trace_args[@]}" \
     --label "$name-$mode-r$round" --out "$workdir/$name-$mode-r$round.json" "$@" >/dev/null
-  python3 - "$workdir/$name-$mode-r$round.json" "$cpu_before" "$(cpu_ticks "$server_pid")" \
-    "$stat_before" "$(head -1 /proc/stat)" <<'PY'
+  local cpu_after stat_after
+  cpu_after=$(cpu_ticks "$server_pid")
+  stat_after=$(head -1 /proc/stat)
+  if [ "$track_lag" = 1 ]; then
+    applied_end=$(stored_applied)
+    applied_settled=$applied_end
+    # Until the count stands still for half a second (at most 30 s).
+    for i in $(seq 1 60); do
+      sleep 0.5
+      local now
+      now=$(stored_applied)
+      [ "$now" = "$applied_settled" ] && break
+      applied_settled=$now
+      settle_s=$(awk "BEGIN {print $i * 0.5}")
+    done
+  fi
+  python3 - "$workdir/$name-$mode-r$round.json" "$cpu_before" "$cpu_after" \
+    "$stat_before" "$stat_after" "$track_lag" "$applied_before" "$applied_end" "$applied_settled" \
+    "$settle_s" <<'PY'
 import json, os, sys
-path, cpu0, cpu1, stat0, stat1 = sys.argv[1:]
+path, cpu0, cpu1, stat0, stat1, lag, a0, a1, a2, settle = sys.argv[1:]
 tick = os.sysconf("SC_CLK_TCK")
 r = json.load(open(path))
 r["server_cpu_s"] = (float(cpu1) - float(cpu0)) / tick
@@ -124,6 +155,10 @@ d = [b - a for a, b in zip(t0, t1)]  # user nice system idle iowait irq softirq 
 total = sum(d) or 1
 r["machine_steal_pct"] = 100 * d[7] / total
 r["machine_idle_pct"] = 100 * (d[3] + d[4]) / total
+if lag == "1":
+    r["stored_applied_during_run"] = float(a1) - float(a0)
+    r["stored_applied_after_run"] = float(a2) - float(a1)
+    r["index_settle_s"] = float(settle)
 json.dump(r, open(path, "w"))
 PY
   echo "   $name $mode round $round done"
@@ -153,14 +188,6 @@ for round in $(seq 1 "$ROUNDS"); do
 done
 
 echo "== event storm: kvroute /select while every fake engine publishes as fast as it can"
-# Stored blocks kvroute applied so far (from its /metrics).
-stored_applied() {
-  in_ns python3 -c "
-import urllib.request
-t = urllib.request.urlopen('http://127.0.0.1:$KV_PORT/metrics', timeout=5).read().decode()
-print(sum(float(l.split()[-1]) for l in t.splitlines()
-          if l.startswith('kvroute_kv_events_total{') and 'type=\"stored\"' in l and 'status=\"applied\"' in l))"
-}
 storm_run() { # label [extra loadgen flags...]
   local label=$1
   shift

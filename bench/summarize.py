@@ -105,6 +105,21 @@ if storm_rows:
         lines.append(f"| {r['engines']} | {r['storm_prompts_published']} | {applied} | "
                      f"{r['quiet_p50_us']} → {r['storm_p50_us']} | {r['quiet_p99_us']} → {r['storm_p99_us']} | "
                      f"**{r['ratio']:.2f}×** | {r['quiet_rps']:.0f} → {r['storm_rps']:.0f} |")
+# kvroute's index lag in its cycle runs: events of the run applied only after it ended.
+lag = [(rnd, runs[f"kvroute-cycle-r{rnd}"]) for rnd in range(1, a.rounds + 1)
+       if "stored_applied_after_run" in runs.get(f"kvroute-cycle-r{rnd}", {})]
+if lag:
+    report["kvroute_index_lag"] = [{"round": rnd, "during_run": r["stored_applied_during_run"],
+                                    "after_run": r["stored_applied_after_run"],
+                                    "settle_s": r["index_settle_s"]} for rnd, r in lag]
+    parts = []
+    for rnd, r in lag:
+        total = r["stored_applied_during_run"] + r["stored_applied_after_run"]
+        share = 100 * r["stored_applied_after_run"] / total if total else 0.0
+        parts.append(f"round {rnd}: {r['stored_applied_after_run']:,.0f} of {total:,.0f} "
+                     f"({share:.1f} %), settled in {r['index_settle_s']:.1f} s")
+    lines += ["", "kvroute's index in its cycle runs, stored blocks applied after the run ended: "
+              + "; ".join(parts) + "."]
 # Issue 7's targets, judged on this run's medians and storm pairs.
 checks = []
 if "select" in summary:

@@ -119,14 +119,21 @@ pub struct ApplierGate {
     /// Requests waiting at the gate (they found it closed and have not passed yet).
     waiting: AtomicUsize,
     released: tokio::sync::Notify,
+    /// The thread that waits in [`let_waiters_pass`](Self::let_waiters_pass): the last waiter
+    /// to pass wakes it.
+    applier: std::sync::OnceLock<std::thread::Thread>,
 }
 
 /// Counts a request as waiting at the gate while it lives.
-struct Waiting<'a>(&'a AtomicUsize);
+struct Waiting<'a>(&'a ApplierGate);
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
+        if self.0.waiting.fetch_sub(1, Ordering::SeqCst) == 1
+            && let Some(applier) = self.0.applier.get()
+        {
+            applier.unpark();
+        }
     }
 }
 
@@ -159,7 +166,7 @@ impl ApplierGate {
             return;
         }
         self.waiting.fetch_add(1, Ordering::SeqCst);
-        let _waiting = Waiting(&self.waiting);
+        let _waiting = Waiting(self);
         while self.holding.load(Ordering::SeqCst) {
             let released = self.released.notified();
             tokio::pin!(released);
@@ -173,11 +180,21 @@ impl ApplierGate {
     }
 
     /// After a hold: gives the requests it held up the time to pass the gate (and so queue for
-    /// the lock ahead of the next hold), for at most `grace`. Returns at once when none waited.
+    /// the lock ahead of the next hold), for at most `grace`. Returns at once when none waited;
+    /// else sleeps until the last of them passes (it wakes this thread) or `grace` is over.
+    /// Always called from the same thread (the applier's).
     fn let_waiters_pass(&self, grace: Duration) {
+        if self.waiting.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        self.applier.get_or_init(std::thread::current);
         let deadline = Instant::now() + grace;
-        while self.waiting.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
-            std::thread::yield_now();
+        while self.waiting.load(Ordering::SeqCst) > 0 {
+            let now = Instant::now();
+            if now >= deadline {
+                return;
+            }
+            std::thread::park_timeout(deadline - now);
         }
     }
 }
