@@ -653,7 +653,8 @@ impl SelectionService {
     /// The index as events per partition, in ``GET /dump``'s shape.
     fn indexer_snapshot<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         self.core.call(py, Access::Read, |state| {
-            Reply::Json(api::dump_json(&state.selector.read()))
+            let partitions = state.selector.read().dump();
+            Reply::Json(api::dump_json(partitions))
         })
     }
 

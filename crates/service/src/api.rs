@@ -8,7 +8,7 @@ use crate::state::AppState;
 use kvroute_core::error::{Error, PartitionKey, check_id};
 use kvroute_core::event::{KvEvent, Tier};
 use kvroute_core::hash::{PromptHashes, seed_for};
-use kvroute_core::selector::{Prompt, ReservationRequest, SelectRequest, Selector, Shared};
+use kvroute_core::selector::{PartitionDump, Prompt, ReservationRequest, SelectRequest, Shared};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -345,11 +345,13 @@ fn tier_name(tier: Tier) -> &'static str {
     }
 }
 
-/// `GET /dump`: the index as Dynamo-shaped stored events, keyed `"{model}:{group}"`.
-pub fn dump_json(selector: &Selector) -> Value {
+/// `GET /dump`: the index as Dynamo-shaped stored events, keyed `"{model}:{group}"`, from a
+/// [`Selector::dump`](kvroute_core::selector::Selector::dump) taken under the lock (building the JSON of a large index takes seconds,
+/// and must not hold the selector's lock meanwhile).
+pub fn dump_json(partitions: Vec<PartitionDump>) -> Value {
     let mut out = BTreeMap::new();
     let mut event_id = 0u64;
-    for partition in selector.dump() {
+    for partition in partitions {
         let events: Vec<Value> = partition
             .events
             .iter()

@@ -160,7 +160,17 @@ pub async fn loads(State(state): Shared, Query(q): Query<PartitionQuery>) -> App
 }
 
 pub async fn dump(State(state): Shared) -> AppResult {
-    let body = api::dump_json(&state.selector.read());
+    // The snapshot under the read lock; the JSON (seconds for millions of blocks) after it, off
+    // the request threads.
+    let partitions = state.selector.read().dump();
+    let body = tokio::task::spawn_blocking(move || api::dump_json(partitions))
+        .await
+        .map_err(|e| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("building the dump failed: {e}"),
+            )
+        })?;
     ok(body)
 }
 
