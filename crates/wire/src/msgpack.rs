@@ -407,6 +407,42 @@ impl<'a> Reader<'a> {
         let mut out = Vec::with_capacity(self.capacity(len));
         let buf = self.buf;
         let mut pos = self.pos;
+        // 64 bytes at a time while at least 64 ids are still to come: the width of a form
+        // starting at each of the window's bytes is computed for all of them at once, so going
+        // from one id to the next is one load from that table (a shorter chain than the marker's
+        // load followed by its form's). A window with a marker that is not a token form (only
+        // found once walked to) is dropped and left to the loops below.
+        let mut widths = [0u8; WINDOW];
+        while len - out.len() >= WINDOW {
+            let Some(window) = buf
+                .get(pos..)
+                .and_then(|rest| rest.first_chunk::<{ WINDOW + 8 }>())
+            else {
+                break;
+            };
+            for (w, word) in widths.chunks_exact_mut(8).zip(window.chunks_exact(8)) {
+                let word = u64::from_le_bytes(word.try_into().unwrap_or_default());
+                w.copy_from_slice(&form_widths(word).to_le_bytes());
+            }
+            let start = out.len();
+            let mut at = 0;
+            let mut odd = false;
+            while at < WINDOW {
+                let Some(&bytes) = window.get(at..).and_then(|rest| rest.first_chunk::<8>()) else {
+                    break;
+                };
+                let form = TOKEN_FORMS[usize::from(bytes[0])];
+                odd |= form.width == 0;
+                let word = u64::from_be_bytes(bytes);
+                out.push(((word >> form.shift) as u32) & form.mask);
+                at += usize::from(widths[at]);
+            }
+            if odd {
+                out.truncate(start);
+                break;
+            }
+            pos += at;
+        }
         while out.len() < len {
             let Some(&bytes) = buf.get(pos..).and_then(|rest| rest.first_chunk::<8>()) else {
                 break;
@@ -564,6 +600,25 @@ fn signed(v: i64) -> Int {
     } else {
         Int::Negative(v)
     }
+}
+
+/// Bytes of a window of [`Reader::token_ids`]' fast path (at most as many ids).
+const WINDOW: usize = 64;
+
+/// For each byte of `word` (little-endian: byte `i` of the slice it was read from is byte `i`),
+/// the width of the token form it would start: 1 for a positive fixint, 2, 3 and 5 for the
+/// `uint8`, `uint16` and `uint32` markers. Other bytes of 0x80 and up get 2 to 6: never used,
+/// since the walk checks each marker it reaches against [`TOKEN_FORMS`].
+#[inline]
+fn form_widths(word: u64) -> u64 {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    // Per byte: 1 where the byte is 0x80 or more.
+    let high = (word >> 7) & ONES;
+    // Markers 0xcc, 0xcd, 0xce: low bits 0, 1, 2 -> 2, 3, 5 (no carry: every byte stays <= 6).
+    let low = word & (3 * ONES);
+    let marker_width = 2 * ONES + low + ((low >> 1) & ONES);
+    let mask = high * 0xff;
+    (marker_width & mask) | (ONES & !mask)
 }
 
 /// How a token id whose first byte is a given marker is laid out: `width` bytes in all (0: not a
@@ -1056,6 +1111,65 @@ mod tests {
                             "odd id at {at}"
                         );
                         assert_eq!(r.remaining(), 0);
+                    }
+                    None => assert!(
+                        matches!(
+                            r.token_ids("token_ids"),
+                            Err(WireError::InvalidValue { .. })
+                        ),
+                        "negative id at {at}"
+                    ),
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn form_widths_agree_with_the_token_forms() {
+        for marker in 0..=255u8 {
+            let width = u64::from(TOKEN_FORMS[usize::from(marker)].width);
+            for place in 0..8 {
+                let word = u64::from(marker) << (8 * place) | 0xcd << (8 * ((place + 1) % 8));
+                let got = (form_widths(word) >> (8 * place)) & 0xff;
+                if width != 0 {
+                    assert_eq!(got, width, "marker {marker:#x} at byte {place}");
+                } else {
+                    assert!((2..=6).contains(&got), "marker {marker:#x} at byte {place}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn token_ids_with_an_odd_form_anywhere_in_a_list_of_windows_decode_or_fail_as_one_by_one() {
+        // As above, in a list long enough for several 64-byte windows of the fast path.
+        let tokens: Vec<u32> = (0..300u32)
+            .map(|i| [5, 200, 40_000, 151_000][(i as usize * 7) % 4] + i)
+            .collect();
+        for at in 0..tokens.len() {
+            for (odd, value) in [
+                (vec![0xcf, 0, 0, 0, 0, 0, 0, 1, 0], Some(256)),
+                (vec![0xd0, 0x05], Some(5)),
+                (vec![0xff], None),
+            ] {
+                let mut buf = vec![0xdc, 0x01, 0x2c];
+                let mut expected = Vec::new();
+                for (i, &t) in tokens.iter().enumerate() {
+                    if i == at {
+                        buf.extend_from_slice(&odd);
+                        expected.extend(value);
+                    } else {
+                        Writer::new(&mut buf).uint(u64::from(t));
+                        expected.push(t);
+                    }
+                }
+                // Something after the list, as in a real event.
+                buf.extend_from_slice(&[0xcd, 0x00, 0x40]);
+                let mut r = Reader::new(&buf);
+                match value {
+                    Some(_) => {
+                        assert_eq!(r.token_ids("token_ids").unwrap(), expected, "at {at}");
+                        assert_eq!(r.remaining(), 3);
                     }
                     None => assert!(
                         matches!(
