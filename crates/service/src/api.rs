@@ -6,11 +6,10 @@ use crate::http::error::ApiError;
 use crate::http::types::*;
 use crate::state::AppState;
 use kvroute_core::error::{Error, PartitionKey, check_id};
-use kvroute_core::event::{KvEvent, Tier};
+use kvroute_core::event::{KvEvent, Rank, Tier};
 use kvroute_core::hash::{PromptHashes, seed_for};
 use kvroute_core::selector::{PartitionDump, Prompt, ReservationRequest, SelectRequest, Shared};
 use serde_json::{Value, json};
-use std::collections::BTreeMap;
 use std::time::Instant;
 
 pub type ApiResult = Result<Value, ApiError>;
@@ -346,53 +345,258 @@ fn tier_name(tier: Tier) -> &'static str {
 }
 
 /// `GET /dump`: the index as Dynamo-shaped stored events, keyed `"{model}:{group}"`, from a
-/// [`Selector::dump`](kvroute_core::selector::Selector::dump) taken under the lock (building the JSON of a large index takes seconds,
-/// and must not hold the selector's lock meanwhile).
-pub fn dump_json(partitions: Vec<PartitionDump>) -> Value {
-    let mut out = BTreeMap::new();
-    let mut event_id = 0u64;
-    for partition in partitions {
-        let events: Vec<Value> = partition
-            .events
+/// [`Selector::dump`](kvroute_core::selector::Selector::dump) taken under the lock: serializing a
+/// large index takes a while, and must not hold the selector's lock meanwhile. It serializes
+/// straight from the snapshot (no `Value` tree of a million events), in the shape and key order
+/// `serde_json`'s maps give: keys sorted, events numbered in that order.
+pub struct Dump(pub Vec<PartitionDump>);
+
+impl serde::Serialize for Dump {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut keyed: Vec<(String, &PartitionDump)> = self
+            .0
             .iter()
-            .filter_map(|(rank, event)| match event {
-                KvEvent::Stored {
+            .map(|p| {
+                let key = format!("{}:{}", p.partition.model_name, p.partition.routing_group);
+                (key, p)
+            })
+            .collect();
+        keyed.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut map = serializer.serialize_map(Some(keyed.len()))?;
+        let mut first_event_id = 0u64;
+        for (key, partition) in keyed {
+            map.serialize_entry(
+                &key,
+                &DumpPartition {
+                    block_size: partition.block_size,
+                    events: DumpEvents {
+                        events: &partition.events,
+                        first_event_id,
+                    },
+                },
+            )?;
+            first_event_id += partition
+                .events
+                .iter()
+                .filter(|(_, e)| matches!(e, KvEvent::Stored { .. }))
+                .count() as u64;
+        }
+        map.end()
+    }
+}
+
+#[derive(serde::Serialize)]
+struct DumpPartition<'a> {
+    block_size: Option<u32>,
+    events: DumpEvents<'a>,
+}
+
+/// A partition's stored events, numbered from `first_event_id`.
+struct DumpEvents<'a> {
+    events: &'a [(Rank, KvEvent)],
+    first_event_id: u64,
+}
+
+impl serde::Serialize for DumpEvents<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeSeq;
+        let mut seq = serializer.serialize_seq(None)?;
+        let stored = self.events.iter().filter_map(|(rank, event)| match event {
+            KvEvent::Stored {
+                parent,
+                blocks,
+                tier,
+            } => Some((rank, *parent, blocks, *tier)),
+            _ => None,
+        });
+        for (event_id, (rank, parent_hash, blocks, tier)) in (self.first_event_id..).zip(stored) {
+            seq.serialize_element(&DumpEvent {
+                dp_rank: rank.dp_rank,
+                event: DumpEventBody {
+                    data: DumpData {
+                        stored: DumpStored {
+                            blocks: DumpBlocks(blocks),
+                            parent_hash,
+                            start_position: None,
+                        },
+                    },
+                    dp_rank: rank.dp_rank,
+                    event_id,
+                },
+                residency_domain: "worker",
+                storage_tier: tier_name(tier),
+                worker_id: rank.worker_id,
+            })?;
+        }
+        seq.end()
+    }
+}
+
+// Fields in alphabetical order: the order `serde_json`'s maps gave them.
+#[derive(serde::Serialize)]
+struct DumpEvent<'a> {
+    dp_rank: u32,
+    event: DumpEventBody<'a>,
+    residency_domain: &'static str,
+    storage_tier: &'static str,
+    worker_id: u64,
+}
+
+#[derive(serde::Serialize)]
+struct DumpEventBody<'a> {
+    data: DumpData<'a>,
+    dp_rank: u32,
+    event_id: u64,
+}
+
+#[derive(serde::Serialize)]
+struct DumpData<'a> {
+    stored: DumpStored<'a>,
+}
+
+#[derive(serde::Serialize)]
+struct DumpStored<'a> {
+    blocks: DumpBlocks<'a>,
+    parent_hash: Option<u64>,
+    start_position: Option<u32>,
+}
+
+struct DumpBlocks<'a>(&'a [kvroute_core::event::StoredBlock]);
+
+impl serde::Serialize for DumpBlocks<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_seq(self.0.iter().map(|b| DumpBlock {
+            block_hash: b.engine_hash,
+            mm_extra_info: None,
+            tokens_hash: b.local_hash,
+        }))
+    }
+}
+
+#[derive(serde::Serialize)]
+struct DumpBlock {
+    block_hash: u64,
+    mm_extra_info: Option<()>,
+    tokens_hash: u64,
+}
+
+/// [`Dump`] as a JSON value (the Python binding's `indexer_snapshot`).
+pub fn dump_json(partitions: Vec<PartitionDump>) -> Value {
+    serde_json::to_value(Dump(partitions)).unwrap_or(Value::Null)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvroute_core::event::StoredBlock;
+
+    fn key(model: &str, group: &str) -> PartitionKey {
+        PartitionKey {
+            model_name: model.to_string(),
+            routing_group: group.to_string(),
+        }
+    }
+
+    fn stored(parent: Option<u64>, blocks: &[(u64, u64)], tier: Tier) -> KvEvent {
+        KvEvent::Stored {
+            parent,
+            blocks: blocks
+                .iter()
+                .map(|&(engine_hash, local_hash)| StoredBlock {
+                    engine_hash,
+                    local_hash,
+                })
+                .collect(),
+            tier,
+        }
+    }
+
+    /// The dump as it was built before (a `Value` per event, partitions in a sorted map), as
+    /// the reference for the serializer.
+    fn reference(partitions: &[PartitionDump]) -> Value {
+        let mut sorted: Vec<&PartitionDump> = partitions.iter().collect();
+        sorted.sort_by_key(|p| format!("{}:{}", p.partition.model_name, p.partition.routing_group));
+        let mut out = serde_json::Map::new();
+        let mut event_id = 0u64;
+        for p in sorted {
+            let mut events = Vec::new();
+            for (rank, event) in &p.events {
+                let KvEvent::Stored {
                     parent,
                     blocks,
                     tier,
-                } => {
-                    let id = event_id;
-                    event_id += 1;
-                    Some(json!({
-                        "worker_id": rank.worker_id,
-                        "dp_rank": rank.dp_rank,
-                        "storage_tier": tier_name(*tier),
-                        "residency_domain": "worker",
-                        "event": {
-                            "event_id": id,
-                            "data": {"stored": {
-                                "parent_hash": parent,
-                                "start_position": null,
-                                "blocks": blocks.iter().map(|b| json!({
-                                    "block_hash": b.engine_hash,
-                                    "tokens_hash": b.local_hash,
-                                    "mm_extra_info": null,
-                                })).collect::<Vec<_>>(),
-                            }},
-                            "dp_rank": rank.dp_rank,
-                        },
-                    }))
-                }
-                _ => None,
-            })
-            .collect();
-        out.insert(
-            format!(
-                "{}:{}",
-                partition.partition.model_name, partition.partition.routing_group
-            ),
-            json!({"block_size": partition.block_size, "events": events}),
-        );
+                } = event
+                else {
+                    continue;
+                };
+                let blocks: Vec<Value> = blocks
+                    .iter()
+                    .map(|b| {
+                        json!({"block_hash": b.engine_hash, "tokens_hash": b.local_hash,
+                               "mm_extra_info": null})
+                    })
+                    .collect();
+                events.push(json!({
+                    "worker_id": rank.worker_id, "dp_rank": rank.dp_rank,
+                    "storage_tier": tier_name(*tier), "residency_domain": "worker",
+                    "event": {"event_id": event_id, "dp_rank": rank.dp_rank,
+                              "data": {"stored": {"parent_hash": parent, "start_position": null,
+                                                  "blocks": blocks}}},
+                }));
+                event_id += 1;
+            }
+            out.insert(
+                format!("{}:{}", p.partition.model_name, p.partition.routing_group),
+                json!({"block_size": p.block_size, "events": events}),
+            );
+        }
+        Value::Object(out)
     }
-    json!(out)
+
+    #[test]
+    fn the_dump_serializes_as_the_value_it_stands_for() {
+        let partitions = vec![
+            PartitionDump {
+                partition: key("m", "z"),
+                block_size: Some(16),
+                events: vec![
+                    (
+                        Rank::new(7, 1),
+                        stored(None, &[(1, 11), (2, 12)], Tier::Device),
+                    ),
+                    (Rank::new(7, 1), KvEvent::Cleared),
+                    (
+                        Rank::new(8, 0),
+                        stored(Some(2), &[(3, u64::MAX)], Tier::Host),
+                    ),
+                ],
+            },
+            PartitionDump {
+                partition: key("m", "a"),
+                block_size: None,
+                events: vec![
+                    (
+                        Rank::new(9, 0),
+                        KvEvent::Removed {
+                            engine_hashes: vec![4],
+                            tier: Tier::Disk,
+                        },
+                    ),
+                    (Rank::new(9, 0), stored(None, &[(5, 15)], Tier::Disk)),
+                ],
+            },
+            PartitionDump {
+                partition: key("empty", "default"),
+                block_size: Some(4),
+                events: vec![],
+            },
+        ];
+        let text = serde_json::to_vec(&Dump(partitions.clone())).unwrap();
+        let parsed: Value = serde_json::from_slice(&text).unwrap();
+        assert_eq!(parsed, reference(&partitions));
+        assert_eq!(dump_json(partitions.clone()), reference(&partitions));
+        // Keys come out sorted at every level, as `serde_json`'s maps wrote them.
+        assert_eq!(text, serde_json::to_vec(&reference(&partitions)).unwrap());
+    }
 }

@@ -161,17 +161,26 @@ pub async fn loads(State(state): Shared, Query(q): Query<PartitionQuery>) -> App
 
 pub async fn dump(State(state): Shared) -> AppResult {
     // The snapshot under the read lock; the JSON (seconds for millions of blocks) after it, off
-    // the request threads.
+    // the request threads, written straight from the snapshot.
     let partitions = state.selector.read().dump();
-    let body = tokio::task::spawn_blocking(move || api::dump_json(partitions))
+    let body = tokio::task::spawn_blocking(move || serde_json::to_vec(&api::Dump(partitions)))
         .await
+        .map_err(|e| e.to_string())
+        .and_then(|body| body.map_err(|e| e.to_string()))
         .map_err(|e| {
             ApiError::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 format!("building the dump failed: {e}"),
             )
         })?;
-    ok(body)
+    Ok((
+        [(
+            axum::http::header::CONTENT_TYPE,
+            axum::http::HeaderValue::from_static("application/json"),
+        )],
+        body,
+    )
+        .into_response())
 }
 
 pub async fn metrics(State(state): Shared) -> Response {
