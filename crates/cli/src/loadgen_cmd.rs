@@ -610,6 +610,9 @@ struct Samples {
     cycles: Vec<u32>,
     statuses: BTreeMap<u16, u64>,
     transport_errors: u64,
+    /// Bookings whose engine backlog was full, and the time they waited for room in it.
+    backlog_waits: u64,
+    backlog_wait_us: u64,
 }
 
 impl Samples {
@@ -622,6 +625,8 @@ impl Samples {
             *self.statuses.entry(s).or_default() += n;
         }
         self.transport_errors += other.transport_errors;
+        self.backlog_waits += other.backlog_waits;
+        self.backlog_wait_us += other.backlog_wait_us;
     }
 }
 
@@ -861,47 +866,56 @@ async fn run_async(
                 if mode == Mode::Cycle && status == Some(200) {
                     let reserve = format!("{{\"selection_id\":\"{id}\"}}");
                     let start_booking = Instant::now();
-                    let booked = match client
-                        .request("POST", "/reservations", Some(reserve.as_bytes()))
-                        .await
-                    {
-                        Ok((status, reply)) => {
-                            samples
-                                .routes
-                                .entry("reservations")
-                                .or_default()
-                                .push(start_booking.elapsed().as_micros().min(u32::MAX as u128)
-                                    as u32);
-                            *samples.statuses.entry(status).or_default() += 1;
-                            let worker = reply_worker_id(&reply);
-                            // The engine that got the request now caches its prompt.
-                            // An engine that holds the whole prompt has nothing to publish:
-                            // seen from here, without a round trip to the engines' thread.
-                            let held = |engines: &Engines, at: usize| {
-                                engines.get(at).is_some_and(|e| {
-                                    e.engine.try_lock().is_ok_and(|e| e.holds_prompt(index))
-                                })
-                            };
-                            if let (Some(engines), Some(w)) = (&engines, worker)
-                                && !held(engines, (w as usize).wrapping_sub(1))
-                            {
-                                // The engine publishes in the background, as a real one
-                                // does while it serves the request; a bounded backlog
-                                // makes the clients wait when the engines fall behind.
-                                let at = (w as usize).wrapping_sub(1);
-                                if let (Some(engine), Ok(permit)) =
-                                    (engines.get(at), Arc::clone(&backlog).acquire_owned().await)
+                    let booked =
+                        match client
+                            .request("POST", "/reservations", Some(reserve.as_bytes()))
+                            .await
+                        {
+                            Ok((status, reply)) => {
+                                samples.routes.entry("reservations").or_default().push(
+                                    start_booking.elapsed().as_micros().min(u32::MAX as u128)
+                                        as u32,
+                                );
+                                *samples.statuses.entry(status).or_default() += 1;
+                                let worker = reply_worker_id(&reply);
+                                // The engine that got the request now caches its prompt.
+                                // An engine that holds the whole prompt has nothing to publish:
+                                // seen from here, without a round trip to the engines' thread.
+                                let held = |engines: &Engines, at: usize| {
+                                    engines.get(at).is_some_and(|e| {
+                                        e.engine.try_lock().is_ok_and(|e| e.holds_prompt(index))
+                                    })
+                                };
+                                if let (Some(engines), Some(w)) = (&engines, worker)
+                                    && !held(engines, (w as usize).wrapping_sub(1))
                                 {
-                                    engine.route(index, permit);
+                                    // The engine publishes in the background, as a real one
+                                    // does while it serves the request; a bounded backlog
+                                    // makes the clients wait when the engines fall behind.
+                                    let at = (w as usize).wrapping_sub(1);
+                                    let permit = match Arc::clone(&backlog).try_acquire_owned() {
+                                        Ok(permit) => Ok(permit),
+                                        Err(_) => {
+                                            // The engines are behind: this client waits for them.
+                                            let waited = Instant::now();
+                                            let permit = Arc::clone(&backlog).acquire_owned().await;
+                                            samples.backlog_waits += 1;
+                                            samples.backlog_wait_us +=
+                                                waited.elapsed().as_micros() as u64;
+                                            permit
+                                        }
+                                    };
+                                    if let (Some(engine), Ok(permit)) = (engines.get(at), permit) {
+                                        engine.route(index, permit);
+                                    }
                                 }
+                                Some(status)
                             }
-                            Some(status)
-                        }
-                        Err(_) => {
-                            samples.transport_errors += 1;
-                            None
-                        }
-                    };
+                            Err(_) => {
+                                samples.transport_errors += 1;
+                                None
+                            }
+                        };
                     if booked == Some(201) {
                         let prefill = format!("/reservations/{id}/prefill_complete");
                         timed(
@@ -966,6 +980,8 @@ async fn run_async(
         "routes": routes,
         "statuses": all.statuses.iter().map(|(s, n)| (s.to_string(), json!(n))).collect::<serde_json::Map<_, _>>(),
         "errors": errors,
+        "engine_backlog_waits": all.backlog_waits,
+        "engine_backlog_wait_s": all.backlog_wait_us as f64 / 1e6,
         "events": args.events_base_port.is_some(),
         "event_storm_prompts": storm_prompts,
         "engine_nice": args.engine_nice,
