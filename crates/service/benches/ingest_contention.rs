@@ -1,8 +1,8 @@
 //! A select's latency alone and during an event storm: KV events flow through the service's own
 //! sink (the applier thread, which takes the selector's write lock for a bounded share of the
 //! time) as fast as it accepts them, while `api::select` routes 8,192-token prompts over 64
-//! workers. Before the applier, every listener took the write lock per message and selects
-//! starved under a storm.
+//! workers: straight at the lock, and through the applier's gate as the HTTP handlers do. Before
+//! the applier, every listener took the write lock per message and selects starved under a storm.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use criterion::{Criterion, criterion_group, criterion_main};
@@ -96,6 +96,18 @@ fn bench(c: &mut Criterion) {
     group.bench_function("during_event_storm", |b| {
         b.iter(|| {
             i += 1;
+            black_box(api::select(&state, bodies[i % bodies.len()].clone()).unwrap())
+        })
+    });
+    // As the HTTP handlers do: wait at the applier's gate (as a task) before taking the lock.
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    group.bench_function("during_event_storm_through_the_gate", |b| {
+        b.iter(|| {
+            i += 1;
+            runtime.block_on(state.applier.passed());
             black_box(api::select(&state, bodies[i % bodies.len()].clone()).unwrap())
         })
     });
