@@ -33,6 +33,8 @@ const APPLY_BLOCKS_PER_LOCK: usize = 256;
 /// side-by-side's cycle runs need more than half: at 0.5 kvroute still applied 0.8–1.0 M of a
 /// run's ~9 M stored blocks after the run ended, at 0.75 and 1.0 none, at the same cycle rate;
 /// its storm runs applied as much and saw the same `/select` p99 at 0.5 and 1.0 (BENCHMARKS.md).
+/// Holds are charged from when the applier asks for the lock: that left no lag either, and cut a
+/// select during the contention bench's storm from 116–129 to 27 µs.
 const APPLY_LOCK_SHARE: f64 = 0.75;
 /// The most lock time the budget saves up while the applier has little to do.
 const APPLY_LOCK_BURST: Duration = Duration::from_millis(4);
@@ -71,8 +73,9 @@ fn hold_end(events: &[KvEvent], at: usize, blocks: &mut usize, budget: usize) ->
 }
 
 /// The applier's budget of write-lock time: a token bucket that refills at `share` seconds per
-/// second up to `burst`; each hold spends its length (timed from when the lock was acquired, so
-/// waiting for readers costs nothing). Pure: the caller passes the clock in.
+/// second up to `burst`; each hold spends its length, timed from when the applier asked for the
+/// lock (waiting for the selects' read locks counts: the busier they are, the sooner it pauses).
+/// Pure: the caller passes the clock in.
 #[derive(Debug, Clone, Copy)]
 struct LockBudget {
     share: f64,
@@ -225,8 +228,10 @@ fn run_applier(
         let mut current = Some((first, 0usize));
         while current.is_some() {
             let hold = gate.close();
+            // The hold is charged from here: the time spent waiting for the selects' read locks
+            // counts, so the busier the selects, the sooner the applier pauses.
+            let asked = Instant::now();
             let mut selector = selector.write();
-            let acquired = Instant::now();
             let mut blocks = 0;
             while blocks < APPLY_BLOCKS_PER_LOCK {
                 let Some(((worker_id, dp_rank, events), at)) = current.as_mut() else {
@@ -249,7 +254,7 @@ fn run_applier(
             parking_lot::RwLockWriteGuard::unlock_fair(selector);
             drop(hold);
             let released = Instant::now();
-            let pause = budget.spend(released.duration_since(acquired), released);
+            let pause = budget.spend(released.duration_since(asked), released);
             if pause.is_zero() {
                 gate.let_waiters_pass(APPLY_WAITERS_GRACE);
             } else {
