@@ -99,6 +99,24 @@ t = urllib.request.urlopen('http://127.0.0.1:$KV_PORT/metrics', timeout=5).read(
 print(sum(float(l.split()[-1]) for l in t.splitlines()
           if l.startswith('kvroute_kv_events_total{') and 'type=\"stored\"' in l and 'status=\"applied\"' in l))"
 }
+# Polls kvroute's applied count every $1 s, at most $2 times, from $3 (the count read last), until
+# it stands still; prints the last count and how many seconds it was still moving. Fails when it
+# never stood still.
+applied_settle() {
+  local every=$1 polls=$2 last=$3 now moving=0 i
+  for i in $(seq 1 "$polls"); do
+    sleep "$every"
+    now=$(stored_applied)
+    if [ "$now" = "$last" ]; then
+      echo "$now $moving"
+      return 0
+    fi
+    last=$now
+    moving=$(awk "BEGIN {print $i * $every}")
+  done
+  echo "$last $moving"
+  return 1
+}
 trace_args=()
 [ -f "$TRACE" ] && trace_args=(--trace "$TRACE")
 run() { # name port mode round register [extra loadgen flags...]
@@ -131,16 +149,8 @@ run() { # name port mode round register [extra loadgen flags...]
   stat_after=$(head -1 /proc/stat)
   if [ "$track_lag" = 1 ]; then
     applied_end=$(stored_applied)
-    applied_settled=$applied_end
     # Until the count stands still for half a second (at most 30 s).
-    for i in $(seq 1 60); do
-      sleep 0.5
-      local now
-      now=$(stored_applied)
-      [ "$now" = "$applied_settled" ] && break
-      applied_settled=$now
-      settle_s=$(awk "BEGIN {print $i * 0.5}")
-    done
+    read -r applied_settled settle_s < <(applied_settle 0.5 60 "$applied_end" || true)
   fi
   python3 - "$workdir/$name-$mode-r$round.json" "$cpu_before" "$cpu_after" \
     "$stat_before" "$stat_after" "$track_lag" "$applied_before" "$applied_end" "$applied_settled" \
@@ -206,15 +216,7 @@ PY
 # A storm leaves seconds of queued events behind it (engine sockets, the apply queue): before
 # each quiet run, wait until kvroute has applied them (its applied count stands still for 1 s).
 drain() {
-  local last now
-  last=$(stored_applied)
-  for _ in $(seq 1 60); do
-    sleep 1
-    now=$(stored_applied)
-    [ "$now" = "$last" ] && return 0
-    last=$now
-  done
-  echo "   (kvroute still applying events after 60 s)"
+  applied_settle 1 60 "$(stored_applied)" >/dev/null || echo "   (kvroute still applying events after 60 s)"
 }
 # Each storm run is compared with the quiet run just before it.
 drain

@@ -630,6 +630,22 @@ impl Samples {
     }
 }
 
+/// A place in the engines' backlog, counting in `samples` a wait when the engines are behind
+/// (`None` only once the backlog is closed).
+async fn backlog_room(
+    backlog: &Arc<tokio::sync::Semaphore>,
+    samples: &mut Samples,
+) -> Option<tokio::sync::OwnedSemaphorePermit> {
+    if let Ok(permit) = Arc::clone(backlog).try_acquire_owned() {
+        return Some(permit);
+    }
+    let waited = Instant::now();
+    let permit = Arc::clone(backlog).acquire_owned().await.ok();
+    samples.backlog_waits += 1;
+    samples.backlog_wait_us += waited.elapsed().as_micros() as u64;
+    permit
+}
+
 /// The `worker_id` of a reservation reply, read without parsing the whole document (both
 /// servers put it at the top level and no string before it contains the key).
 fn reply_worker_id(reply: &[u8]) -> Option<u64> {
@@ -866,56 +882,47 @@ async fn run_async(
                 if mode == Mode::Cycle && status == Some(200) {
                     let reserve = format!("{{\"selection_id\":\"{id}\"}}");
                     let start_booking = Instant::now();
-                    let booked =
-                        match client
-                            .request("POST", "/reservations", Some(reserve.as_bytes()))
-                            .await
-                        {
-                            Ok((status, reply)) => {
-                                samples.routes.entry("reservations").or_default().push(
-                                    start_booking.elapsed().as_micros().min(u32::MAX as u128)
-                                        as u32,
-                                );
-                                *samples.statuses.entry(status).or_default() += 1;
-                                let worker = reply_worker_id(&reply);
-                                // The engine that got the request now caches its prompt.
-                                // An engine that holds the whole prompt has nothing to publish:
-                                // seen from here, without a round trip to the engines' thread.
-                                let held = |engines: &Engines, at: usize| {
-                                    engines.get(at).is_some_and(|e| {
-                                        e.engine.try_lock().is_ok_and(|e| e.holds_prompt(index))
-                                    })
-                                };
-                                if let (Some(engines), Some(w)) = (&engines, worker)
-                                    && !held(engines, (w as usize).wrapping_sub(1))
+                    let booked = match client
+                        .request("POST", "/reservations", Some(reserve.as_bytes()))
+                        .await
+                    {
+                        Ok((status, reply)) => {
+                            samples
+                                .routes
+                                .entry("reservations")
+                                .or_default()
+                                .push(start_booking.elapsed().as_micros().min(u32::MAX as u128)
+                                    as u32);
+                            *samples.statuses.entry(status).or_default() += 1;
+                            let worker = reply_worker_id(&reply);
+                            // The engine that got the request now caches its prompt.
+                            // An engine that holds the whole prompt has nothing to publish:
+                            // seen from here, without a round trip to the engines' thread.
+                            let held = |engines: &Engines, at: usize| {
+                                engines.get(at).is_some_and(|e| {
+                                    e.engine.try_lock().is_ok_and(|e| e.holds_prompt(index))
+                                })
+                            };
+                            if let (Some(engines), Some(w)) = (&engines, worker)
+                                && !held(engines, (w as usize).wrapping_sub(1))
+                            {
+                                // The engine publishes in the background, as a real one
+                                // does while it serves the request; a bounded backlog
+                                // makes the clients wait when the engines fall behind.
+                                let at = (w as usize).wrapping_sub(1);
+                                if let (Some(engine), Some(permit)) =
+                                    (engines.get(at), backlog_room(&backlog, &mut samples).await)
                                 {
-                                    // The engine publishes in the background, as a real one
-                                    // does while it serves the request; a bounded backlog
-                                    // makes the clients wait when the engines fall behind.
-                                    let at = (w as usize).wrapping_sub(1);
-                                    let permit = match Arc::clone(&backlog).try_acquire_owned() {
-                                        Ok(permit) => Ok(permit),
-                                        Err(_) => {
-                                            // The engines are behind: this client waits for them.
-                                            let waited = Instant::now();
-                                            let permit = Arc::clone(&backlog).acquire_owned().await;
-                                            samples.backlog_waits += 1;
-                                            samples.backlog_wait_us +=
-                                                waited.elapsed().as_micros() as u64;
-                                            permit
-                                        }
-                                    };
-                                    if let (Some(engine), Ok(permit)) = (engines.get(at), permit) {
-                                        engine.route(index, permit);
-                                    }
+                                    engine.route(index, permit);
                                 }
-                                Some(status)
                             }
-                            Err(_) => {
-                                samples.transport_errors += 1;
-                                None
-                            }
-                        };
+                            Some(status)
+                        }
+                        Err(_) => {
+                            samples.transport_errors += 1;
+                            None
+                        }
+                    };
                     if booked == Some(201) {
                         let prefill = format!("/reservations/{id}/prefill_complete");
                         timed(

@@ -361,7 +361,17 @@ impl AppState {
 #[cfg(test)]
 mod tests {
     use super::{ApplierGate, LockBudget, hold_end};
-    use std::time::Instant;
+    use kvroute_core::event::{KvEvent, Tier};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    fn runtime(workers: usize) -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(workers)
+            .enable_all()
+            .build()
+            .expect("runtime")
+    }
 
     /// The budget lets holds through without a pause while the share is kept, and once it is
     /// spent pauses until it has refilled to `resume`; idle time refills it only up to `burst`.
@@ -391,7 +401,6 @@ mod tests {
             assert_eq!(budget.spend(Duration::from_micros(50), end), Duration::ZERO);
         }
     }
-    use kvroute_core::event::{KvEvent, Tier};
 
     fn removed(blocks: u64) -> KvEvent {
         KvEvent::Removed {
@@ -430,9 +439,6 @@ mod tests {
         assert_eq!(hold_end(&[removed(1000)], 0, &mut blocks, 256), 1);
         assert_eq!(blocks, 1000);
     }
-    use std::sync::Arc;
-    use std::time::Duration;
-
     #[tokio::test]
     async fn the_applier_gate_holds_requests_only_while_the_applier_holds_the_lock() {
         let gate = Arc::new(ApplierGate::default());
@@ -460,11 +466,7 @@ mod tests {
         // Open and close from another thread as fast as possible while requests pass, ending
         // open: every request must get through (one whose wake-up was lost at the last opening,
         // between its look at the flag and its wait, would hang).
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .expect("runtime");
+        let runtime = runtime(2);
         let gate = Arc::new(ApplierGate::default());
         let toggler = {
             let gate = Arc::clone(&gate);
@@ -503,11 +505,7 @@ mod tests {
     #[test]
     fn the_gate_counts_the_requests_it_holds_up() {
         use std::sync::atomic::Ordering;
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .expect("runtime");
+        let runtime = runtime(1);
         let gate = Arc::new(ApplierGate::default());
         // No waiter: the grace returns at once, whatever its bound.
         let started = Instant::now();

@@ -163,16 +163,16 @@ pub async fn dump(State(state): Shared) -> AppResult {
     // The snapshot under the read lock; the JSON (seconds for millions of blocks) after it, off
     // the request threads, written straight from the snapshot.
     let partitions = state.selector.read().dump();
+    let failed = |e: &dyn std::fmt::Display| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("building the dump failed: {e}"),
+        )
+    };
     let body = tokio::task::spawn_blocking(move || serde_json::to_vec(&api::Dump(partitions)))
         .await
-        .map_err(|e| e.to_string())
-        .and_then(|body| body.map_err(|e| e.to_string()))
-        .map_err(|e| {
-            ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                format!("building the dump failed: {e}"),
-            )
-        })?;
+        .map_err(|e| failed(&e))?
+        .map_err(|e| failed(&e))?;
     Ok((
         [(
             axum::http::header::CONTENT_TYPE,
