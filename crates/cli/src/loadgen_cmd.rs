@@ -12,6 +12,7 @@ use hashbrown::HashMap;
 use hashbrown::hash_map::Entry;
 use kvroute_core::hash::{BASE_SEED, PromptHashes};
 use kvroute_service::client::HttpClient;
+use kvroute_service::courtesy;
 use kvroute_service::fake_engine::{
     FakeEngine, StoredBlocks, removed_event, stored_event_packed, stored_event_with_hashes,
 };
@@ -421,7 +422,13 @@ impl EngineSlot {
     }
 
     /// Publishes what is routed to the engine until the run ends.
-    async fn flush_forever(&self, packed: &[PackedTokens], sequences: &[Vec<u64>]) {
+    /// `courteous`: yield the engines' thread after each stretch of work (see `engine_idle`).
+    async fn flush_forever(
+        &self,
+        packed: &[PackedTokens],
+        sequences: &[Vec<u64>],
+        courteous: bool,
+    ) {
         loop {
             self.routed.notified().await;
             let batch = self
@@ -448,6 +455,10 @@ impl EngineSlot {
             engine.publish(step).await;
             // The permits go back to the backlog with the batch.
             drop(batch);
+            drop(engine);
+            if courteous {
+                courtesy::after_work(courtesy::STRETCH);
+            }
         }
     }
 }
@@ -803,12 +814,20 @@ async fn run_async(
     let start = Instant::now();
     let mut tasks = Vec::new();
     let prompts = Arc::new(prompts);
+    // Engines at SCHED_IDLE stand in for engines on other hosts: besides giving a core up to a
+    // thread that wakes, their thread yields after each stretch of work, so a client thread
+    // that waits runnable for the core gets it then rather than at the next timer tick.
+    let courteous = args.engine_idle;
     if let Some(engines) = &engines {
         for at in 0..engines.len() {
             let engines = Arc::clone(engines);
             let packed = Arc::clone(&packed);
             let sequences = Arc::clone(&sequences);
-            engines_rt.spawn(async move { engines[at].flush_forever(&packed, &sequences).await });
+            engines_rt.spawn(async move {
+                engines[at]
+                    .flush_forever(&packed, &sequences, courteous)
+                    .await
+            });
         }
     }
     let mut storm = Vec::new();
@@ -831,6 +850,9 @@ async fn run_async(
                     engine.cache_prompt(None, PromptTokens::Plain(&tokens), &sequence, &mut step);
                     engine.publish(step).await;
                     drop(engine);
+                    if courteous {
+                        courtesy::after_work(courtesy::STRETCH);
+                    }
                     n += engines.len();
                     tokio::task::yield_now().await;
                 }
@@ -1050,6 +1072,7 @@ pub fn run(args: LoadgenArgs) -> ExitCode {
         .worker_threads(1)
         .thread_name("fake-engines")
         .enable_all()
+        .on_thread_unpark(courtesy::woke)
         .on_thread_start(move || {
             // Best effort: failing that, the engines publish at normal priority.
             if !idle || idle_current_thread().is_err() {

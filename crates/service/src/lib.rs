@@ -8,6 +8,7 @@
 //!
 //! - [`api`]: the service's operations, transport-free (HTTP and Python call them).
 //! - [`client`]: a minimal keep-alive HTTP/1.1 client (load generator, tests).
+//! - [`courtesy`]: background threads yield the CPU after each stretch of work.
 //! - [`config`]: every knob as a CLI flag and a `KVROUTE_*` environment variable, validated.
 //! - [`http`]: routes, JSON request/response types, the one error → response mapping.
 //! - [`ingest`]: per-endpoint ZMQ SUB listeners with replay, gap and restart handling.
@@ -20,6 +21,7 @@
 pub mod api;
 pub mod client;
 pub mod config;
+pub mod courtesy;
 pub mod fake_engine;
 pub mod http;
 pub mod ingest;

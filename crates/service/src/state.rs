@@ -19,7 +19,9 @@ use std::time::{Duration, Instant};
 /// leave selects waiting on it), and selects get the lock back after at most
 /// [`APPLY_BLOCKS_PER_LOCK`] blocks. The queue is bounded: when the applier falls behind, the
 /// listeners wait, the engines' sockets fill and what they drop shows up as sequence gaps,
-/// recovered by replay where the engine offers it.
+/// recovered by replay where the engine offers it. Both ingest threads yield the CPU after each
+/// stretch of work ([`crate::courtesy`]), so a request thread waiting for a core gets one within
+/// the stretch rather than at the next timer tick.
 struct SelectorSink {
     queue: std::sync::mpsc::SyncSender<(u64, u32, Vec<KvEvent>)>,
 }
@@ -188,20 +190,21 @@ impl ApplierGate {
     /// After a hold: gives the requests it held up the time to pass the gate (and so queue for
     /// the lock ahead of the next hold), for at most `grace`. Returns at once when none waited;
     /// else sleeps until the last of them passes (it wakes this thread) or `grace` is over.
-    /// Always called from the same thread (the applier's).
-    fn let_waiters_pass(&self, grace: Duration) {
+    /// Always called from the same thread (the applier's). Returns whether any waited.
+    fn let_waiters_pass(&self, grace: Duration) -> bool {
         if self.waiting.load(Ordering::SeqCst) == 0 {
-            return;
+            return false;
         }
         self.applier.get_or_init(std::thread::current);
         let deadline = Instant::now() + grace;
         while self.waiting.load(Ordering::SeqCst) > 0 {
             let now = Instant::now();
             if now >= deadline {
-                return;
+                return true;
             }
             std::thread::park_timeout(deadline - now);
         }
+        true
     }
 }
 
@@ -224,6 +227,7 @@ fn run_applier(
         Instant::now(),
     );
     while let Ok(first) = queue.recv() {
+        crate::courtesy::woke();
         // The message being applied and its first event not yet applied.
         let mut current = Some((first, 0usize));
         while current.is_some() {
@@ -255,10 +259,14 @@ fn run_applier(
             drop(hold);
             let released = Instant::now();
             let pause = budget.spend(released.duration_since(asked), released);
-            if pause.is_zero() {
-                gate.let_waiters_pass(APPLY_WAITERS_GRACE);
-            } else {
+            if !pause.is_zero() {
                 std::thread::sleep(pause);
+                crate::courtesy::woke();
+            } else if gate.let_waiters_pass(APPLY_WAITERS_GRACE) {
+                crate::courtesy::woke();
+            } else {
+                // With no request at the gate, one may still wait for this core.
+                crate::courtesy::after_work(crate::courtesy::STRETCH);
             }
         }
     }

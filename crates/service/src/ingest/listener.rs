@@ -319,7 +319,11 @@ impl Listener {
                 },
             };
             received = true;
-            if let Step::ReplayFrom { address, start } = self.handle_live(frames) {
+            let step = self.handle_live(frames);
+            // Decoding a storm's messages back to back must not keep a request thread that
+            // waits for this core off it until the next timer tick.
+            crate::courtesy::after_work(crate::courtesy::STRETCH);
+            if let Step::ReplayFrom { address, start } = step {
                 let Some(report) = self.replay(&address, sub, start, stop).await else {
                     return Exit::Stopped;
                 };

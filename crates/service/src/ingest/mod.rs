@@ -203,6 +203,7 @@ fn ingest_runtime(nice: u8) -> std::io::Result<tokio::runtime::Runtime> {
         .max_blocking_threads(2)
         .thread_name("kvroute-ingest")
         .enable_all()
+        .on_thread_unpark(crate::courtesy::woke)
         .on_thread_start(move || {
             if let Err(error) = lower_current_thread_priority(nice) {
                 tracing::warn!(nice, %error, "could not lower the ingest thread's priority");
