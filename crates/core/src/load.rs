@@ -498,10 +498,7 @@ impl LoadTracker {
         self.idle_order
             .remove(&(state.view.last_touched, state.serial));
         if let Some(&slot) = self.ranks.slot_of.get(&state.view.rank) {
-            let mut hint = 0;
-            for &hash in state.view.sequence_hashes.iter() {
-                self.ranks.remove_block(slot, hash, &mut hint);
-            }
+            self.ranks.remove_blocks(slot, &state.view.sequence_hashes);
             if let Some(rank) = self.ranks.state_mut(slot) {
                 rank.private_blocks -= state.private_blocks;
                 rank.prefill_tokens = rank
@@ -641,6 +638,9 @@ fn holder_count(holder: Holder) -> u32 {
 
 /// The ranks holding a block, sorted by slot.
 type HolderList = SmallVec<[Holder; 2]>;
+
+/// Blocks a free looks up together before removing them (see [`RankTable::remove_blocks`]).
+const FREE_CHUNK: usize = 16;
 
 impl RankState {
     fn raw_decode_blocks(&self) -> i128 {
@@ -794,6 +794,26 @@ impl RankTable {
                     state.distinct_blocks += 1;
                 }
                 false
+            }
+        }
+    }
+
+    /// Drops one reference to each of `hashes` on the rank, a chunk at a time: the chunk's
+    /// blocks are first looked up back to back, so that their cache misses (a booking is often
+    /// freed on another core than the one that booked it, and the map outgrows the caches with
+    /// many live bookings) overlap instead of each waiting behind the previous removal.
+    fn remove_blocks(&mut self, slot: usize, hashes: &[u64]) {
+        let mut hint = 0;
+        for chunk in hashes.chunks(FREE_CHUNK) {
+            let mut warm = 0usize;
+            for hash in chunk {
+                if let Some(list) = self.holders.get(hash) {
+                    warm ^= list.len();
+                }
+            }
+            std::hint::black_box(warm);
+            for &hash in chunk {
+                self.remove_block(slot, hash, &mut hint);
             }
         }
     }
