@@ -1037,7 +1037,7 @@ fn note_alias(rank_slot: &mut RankSlot, node: u32, held: TierMask) {
 /// overlap.
 const STORE_CHUNK: usize = 16;
 /// Blocks of a `Removed` event looked up together before they are removed.
-const REMOVE_CHUNK: usize = 16;
+const REMOVE_CHUNK: usize = 32;
 
 /// Number of prompt blocks whose nodes are looked up together, so their cache misses overlap.
 const LOOKUP_CHUNK: usize = 32;
