@@ -1446,10 +1446,10 @@ mod tests {
         let book = (
             0u8..8,
             rank_strategy(),
-            // Sometimes longer than a free's lookup chunk (`FREE_CHUNK`).
+            // Sometimes longer than a free's lookup chunk.
             prop_oneof![
                 4 => prop::collection::vec(0u64..16, 0..8),
-                1 => prop::collection::vec(0u64..48, 17..40),
+                1 => prop::collection::vec(0u64..48, FREE_CHUNK + 1..FREE_CHUNK * 2 + 8),
             ],
             prop_oneof![Just(1u32), Just(4u32)],
             0u64..8,

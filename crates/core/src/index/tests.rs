@@ -421,8 +421,12 @@ fn op_strategy(workers: u64) -> impl Strategy<Value = Op> {
             }),
         3 => (rank.clone(), proptest::collection::vec(engine.clone(), 1..4), 0..3usize)
             .prop_map(|(rank, hashes, tier)| Op::Remove { rank, hashes, tier }),
-        // Longer than a removal chunk (32), with repeats and hashes the rank does not hold.
-        1 => (rank.clone(), proptest::collection::vec(engine, 33..80), 0..3usize)
+        // Longer than a removal chunk, with repeats and hashes the rank does not hold.
+        1 => (
+            rank.clone(),
+            proptest::collection::vec(engine, REMOVE_CHUNK + 1..REMOVE_CHUNK * 2 + 16),
+            0..3usize
+        )
             .prop_map(|(rank, hashes, tier)| Op::Remove { rank, hashes, tier }),
         1 => rank.prop_map(|rank| Op::Clear { rank }),
         1 => (0..workers).prop_map(|worker| Op::RemoveWorker { worker }),
