@@ -200,7 +200,8 @@ done
 
 # Optional (INGEST_FREE=1): one more cycle run per server whose fake engines publish to ports no
 # server subscribes to, so that neither ingests KV events: how much of each server's cycle the
-# ingest is (its index stays as the measured rounds left it). Not a target of issue 7.
+# ingest is (its index stays as the measured rounds left it; summarize.py prints the comparison).
+# Not a target of issue 7.
 if [ "${INGEST_FREE:-0}" = 1 ]; then
   echo "== ingest-free cycle runs: the engines publish to ports no server subscribes to"
   for name in dynamo kvroute; do
@@ -208,33 +209,6 @@ if [ "${INGEST_FREE:-0}" = 1 ]; then
     unsubscribed_events_base=$UNSUBSCRIBED_EVENTS_BASE \
       run "$name" "$port" cycle ingest-free 0 --subscriber-wait-secs 0
   done
-  python3 - "$workdir" "$ROUNDS" <<'PY'
-import json, statistics, sys
-d, rounds = sys.argv[1], int(sys.argv[2])
-def load(name, label):
-    try:
-        r = json.load(open(f"{d}/{name}-cycle-r{label}.json"))
-    except OSError:
-        return None
-    n = r["cycles"]["rps"] * r["duration_s"]
-    return r["cycles"]["rps"], 1e6 * r.get("server_cpu_s", 0) / max(n, 1)
-rows = {}
-for name in ("dynamo", "kvroute"):
-    with_events = [x for x in (load(name, k) for k in range(1, rounds + 1)) if x]
-    free = load(name, "ingest-free")
-    if not with_events or not free:
-        continue
-    rows[name] = (statistics.median(x[0] for x in with_events),
-                  statistics.median(x[1] for x in with_events), free[0], free[1])
-    m = rows[name]
-    print(f"   {name}: {m[0]:,.0f} cycles/s ({m[1]:.0f} µs server CPU per cycle; median of the rounds)"
-          f" → {m[2]:,.0f} without ingest ({m[3]:.0f} µs)")
-if len(rows) == 2:
-    k, y = rows["kvroute"], rows["dynamo"]
-    print(f"   cycle ratio kvroute/Dynamo: {k[0] / y[0]:.2f}× with ingest (medians),"
-          f" {k[2] / y[2]:.2f}× without; ingest's server CPU per cycle: Dynamo {y[1] - y[3]:.0f} µs,"
-          f" kvroute {k[1] - k[3]:.0f} µs")
-PY
 fi
 
 echo "== event storm: kvroute /select while every fake engine publishes as fast as it can"

@@ -120,6 +120,32 @@ if lag:
                      f"({share:.1f} %), settled in {r['index_settle_s']:.1f} s")
     lines += ["", "kvroute's index in its cycle runs, stored blocks applied after the run ended: "
               + "; ".join(parts) + "."]
+# The ingest-free cycle runs (INGEST_FREE=1): each server's cycle without KV-event ingest, against
+# the medians of its measured rounds.
+free = {}
+for name in ("dynamo", "kvroute"):
+    run = runs.get(f"{name}-cycle-ringest-free")
+    measured = [r[name] for r in rows if r["mode"] == "cycle"]
+    cpu = [r[f"{name}_cpu_us"] for r in rows if r["mode"] == "cycle" and r[f"{name}_cpu_us"]]
+    free_cpu = cpu_us(run, run["cycles"]) if run else None
+    if not measured or not cpu or free_cpu is None:
+        continue
+    free[name] = {"rps": statistics.median(m["rps"] for m in measured),
+                  "cpu_us": statistics.median(cpu),
+                  "ingest_free_rps": run["cycles"]["rps"], "ingest_free_cpu_us": free_cpu}
+if free:
+    report["ingest_free_cycle"] = free
+    lines.append("")
+    for name, f in free.items():
+        lines.append(f"Ingest-free cycle, {name}: {f['rps']:,.0f} cycles/s ({f['cpu_us']:.0f} µs server CPU "
+                     f"per cycle; median of the rounds) → {f['ingest_free_rps']:,.0f} without ingest "
+                     f"({f['ingest_free_cpu_us']:.0f} µs).")
+    if len(free) == 2:
+        k, y = free["kvroute"], free["dynamo"]
+        lines.append(f"Cycle ratio kvroute/Dynamo: {k['rps'] / y['rps']:.2f}× with ingest (medians), "
+                     f"{k['ingest_free_rps'] / y['ingest_free_rps']:.2f}× without; ingest's server CPU "
+                     f"per cycle: Dynamo {y['cpu_us'] - y['ingest_free_cpu_us']:.0f} µs, "
+                     f"kvroute {k['cpu_us'] - k['ingest_free_cpu_us']:.0f} µs.")
 # Issue 7's targets, judged on this run's medians and storm pairs.
 checks = []
 if "select" in summary:
