@@ -11,7 +11,7 @@ mod common;
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-use common::{BLOCK_SIZE, fleet_events, scaled, store_event, trace_prompts};
+use common::{BLOCK_SIZE, churn_events, fleet_events, scaled, store_event, trace_prompts};
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use kvroute_core::event::{KvEvent, Rank};
 use kvroute_core::hash::{BASE_SEED, PromptHashes, local_hashes, sequence_hashes};
@@ -174,11 +174,49 @@ fn bench_apply_stored_then_removed(c: &mut Criterion) {
     group.finish();
 }
 
+/// Engines at capacity (64 ranks of 16,384 blocks, as in the side-by-side's cycle runs): the
+/// stores and evictions of a second pass over the trace, applied to an index the first pass
+/// filled. Prints ns per stored or removed block over the timed part (best of three).
+fn bench_apply_churn(c: &mut Criterion) {
+    let prompts = trace_prompts(usize::MAX);
+    let ranks = 64u64;
+    let capacity = scaled(16_384, 256);
+    let events = churn_events(ranks, capacity, &prompts, 2);
+    let (fill, churn) = events.split_at(events.len() / 2);
+    let blocks = event_blocks(churn);
+    let mut best = f64::MAX;
+    for _ in 0..scaled(3, 1) {
+        let mut index = fresh_index_with(fill);
+        let start = Instant::now();
+        for (rank, event) in churn {
+            index.apply(*rank, event);
+        }
+        best = best.min(start.elapsed().as_secs_f64() * 1e9 / blocks as f64);
+        black_box(&index);
+    }
+    println!(
+        "apply_churn_{ranks}_ranks_{capacity}_blocks_each: {best:.1} ns per stored or removed block ({blocks} blocks, {} events)",
+        churn.len()
+    );
+    let mut group = c.benchmark_group("apply");
+    group.sample_size(10);
+    group.throughput(Throughput::Elements(event_blocks(&events) as u64));
+    group.bench_function(
+        BenchmarkId::new(
+            "apply_churn_mooncake_trace_two_passes",
+            format!("{ranks}_ranks_{capacity}_blocks_each"),
+        ),
+        |b| b.iter(|| fresh_index_with(&events)),
+    );
+    group.finish();
+}
+
 criterion_group!(
     benches,
     bench_hashing,
     bench_find_matches,
     bench_apply_stored,
-    bench_apply_stored_then_removed
+    bench_apply_stored_then_removed,
+    bench_apply_churn
 );
 criterion_main!(benches);

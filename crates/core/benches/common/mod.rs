@@ -116,3 +116,52 @@ pub fn fleet_events(ranks: u64, prompts: &[Vec<u64>]) -> Vec<(Rank, KvEvent)> {
     }
     events
 }
+
+/// The events of `ranks` engines that each hold at most `capacity` blocks and evict their oldest
+/// (as the load generator's fake engines do): trace requests are routed by their first block, so
+/// that prefixes come back to the rank that has them, and the trace is replayed `passes` times.
+/// Once the engines are full, each `Stored` event is followed by the `Removed` event of what it
+/// pushed out.
+pub fn churn_events(
+    ranks: u64,
+    capacity: usize,
+    prompts: &[Vec<u64>],
+    passes: usize,
+) -> Vec<(Rank, KvEvent)> {
+    let mut held: Vec<HashSet<u64>> = vec![HashSet::new(); ranks as usize];
+    let mut order: Vec<std::collections::VecDeque<u64>> =
+        vec![std::collections::VecDeque::new(); ranks as usize];
+    let mut events = Vec::new();
+    for (i, prompt) in (0..passes).flat_map(|_| prompts.iter()).enumerate() {
+        let Some(&first) = prompt.first() else {
+            continue;
+        };
+        // Mostly by prefix, one request in eight anywhere (as load would spread them).
+        let r = if i % 8 == 7 { i as u64 } else { first } % ranks;
+        let rank = r as usize;
+        let Some(event) = store_event(&mut held[rank], prompt) else {
+            continue;
+        };
+        if let KvEvent::Stored { blocks, .. } = &event {
+            order[rank].extend(blocks.iter().map(|b| b.engine_hash));
+        }
+        events.push((Rank::new(r, 0), event));
+        let mut evicted = Vec::new();
+        while order[rank].len() > capacity {
+            if let Some(h) = order[rank].pop_front() {
+                held[rank].remove(&h);
+                evicted.push(h);
+            }
+        }
+        if !evicted.is_empty() {
+            events.push((
+                Rank::new(r, 0),
+                KvEvent::Removed {
+                    engine_hashes: evicted,
+                    tier: Tier::Device,
+                },
+            ));
+        }
+    }
+    events
+}
