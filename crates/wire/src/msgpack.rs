@@ -407,6 +407,10 @@ impl<'a> Reader<'a> {
         let mut out = Vec::with_capacity(self.capacity(len));
         let buf = self.buf;
         let mut pos = self.pos;
+        // With AVX-512 VBMI, 32 ids a window while that many are still to come (module
+        // `msgpack_avx512`); it leaves to the loops below the tail and any window it cannot take.
+        #[cfg(target_arch = "x86_64")]
+        crate::msgpack_avx512::read_ids(buf, &mut pos, &mut out, len);
         // 64 bytes at a time while at least 64 ids are still to come: the width of a form
         // starting at each of the window's bytes is computed for all of them at once, so going
         // from one id to the next is one load from that table (a shorter chain than the marker's
