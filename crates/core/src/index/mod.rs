@@ -575,7 +575,7 @@ impl RadixIndex {
                         .copied()
                 });
                 if let Some(n) = hint {
-                    warm ^= u64::from(n);
+                    warm ^= u64::from(n) ^ nodes.get(n).holders.warm(&self.arena);
                 }
                 let e = block.engine_hash;
                 if let Some(r) = blocks_of_rank.find(engine_key, |r| r.engine_hash() == e) {
@@ -845,7 +845,7 @@ impl RadixIndex {
                 if node < self.nodes.len {
                     let key = self.hasher.hash_one(self.nodes.get(node).sequence_hash);
                     if let Some(&n) = self.by_sequence.find(key, |&n| n == node) {
-                        warm ^= u64::from(n);
+                        warm ^= u64::from(n) ^ self.nodes.get(n).holders.warm(&self.arena);
                     }
                 }
             }
