@@ -90,7 +90,8 @@ DYN_PID=$(pgrep -n -f "dynamo.select_service --port $DYN_PORT")
 KV_PID=$(pgrep -n -f "$kvroute serve --port $KV_PORT")
 
 # CPU time of a process, all threads, in clock ticks.
-cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+# A process's user and system CPU ticks (all threads).
+cpu_ticks() { awk '{print $14 "," $15}' "/proc/$1/stat"; }
 
 # Stored blocks kvroute applied so far (from its /metrics).
 stored_applied() {
@@ -160,7 +161,10 @@ import json, os, sys
 path, cpu0, cpu1, stat0, stat1, lag, a0, a1, a2, settle = sys.argv[1:]
 tick = os.sysconf("SC_CLK_TCK")
 r = json.load(open(path))
-r["server_cpu_s"] = (float(cpu1) - float(cpu0)) / tick
+(u0, s0), (u1, s1) = [map(float, c.split(",")) for c in (cpu0, cpu1)]
+r["server_cpu_s"] = (u1 - u0 + s1 - s0) / tick
+r["server_user_s"] = (u1 - u0) / tick
+r["server_system_s"] = (s1 - s0) / tick
 t0, t1 = [list(map(int, s.split()[1:9])) for s in (stat0, stat1)]
 d = [b - a for a, b in zip(t0, t1)]  # user nice system idle iowait irq softirq steal
 total = sum(d) or 1

@@ -146,6 +146,34 @@ if free:
                      f"{k['ingest_free_rps'] / y['ingest_free_rps']:.2f}× without; ingest's server CPU "
                      f"per cycle: Dynamo {y['cpu_us'] - y['ingest_free_cpu_us']:.0f} µs, "
                      f"kvroute {k['cpu_us'] - k['ingest_free_cpu_us']:.0f} µs.")
+# Where a cycle's CPU goes (runs that recorded it): per server, the medians over the measured
+# rounds of its user and system CPU and of the load generator's (clients and fake engines) per
+# cycle. The two cores are shared, so a cycle run's rate is about (busy cores) / (server +
+# load generator CPU per cycle), which says what kvroute's server would need per cycle for 3×.
+split = {}
+for name in ("dynamo", "kvroute"):
+    per = []
+    for rnd in range(1, a.rounds + 1):
+        run = runs.get(f"{name}-cycle-r{rnd}", {})
+        n = run.get("cycles", {}).get("rps", 0) * run.get("duration_s", 0)
+        lg = run.get("loadgen_cpu")
+        if n and "server_user_s" in run and lg:
+            per.append((1e6 * run["server_user_s"] / n, 1e6 * run["server_system_s"] / n,
+                        1e6 * (lg["user_s"] + lg["system_s"]) / n))
+    if per:
+        split[name] = {k: statistics.median(p[i] for p in per)
+                       for i, k in enumerate(("server_user_us", "server_system_us", "loadgen_us"))}
+if split:
+    report["cycle_cpu_split"] = split
+    lines.append("")
+    for name, c in split.items():
+        lines.append(f"Cycle CPU per cycle, {name} (medians of the rounds): server {c['server_user_us']:.0f} µs "
+                     f"user + {c['server_system_us']:.0f} µs system, load generator {c['loadgen_us']:.0f} µs.")
+    if len(split) == 2:
+        d, k = split["dynamo"], split["kvroute"]
+        need = (d["server_user_us"] + d["server_system_us"] + d["loadgen_us"]) / 3 - k["loadgen_us"]
+        lines.append(f"At these costs 3× Dynamo's cycle rate needs kvroute's server at ≤ {need:.0f} µs "
+                     f"of CPU per cycle (it used {k['server_user_us'] + k['server_system_us']:.0f}).")
 # Issue 7's targets, judged on this run's medians and storm pairs.
 checks = []
 if "select" in summary:

@@ -209,6 +209,18 @@ struct PreparedPrompts {
     packed: Vec<PackedTokens>,
 }
 
+/// This process's user and system CPU seconds so far (all threads), from `/proc/self/stat`; `None`
+/// where there is no such file. The kernel reports them in `USER_HZ` ticks, 100 a second on Linux.
+fn process_cpu_s() -> Option<(f64, f64)> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name (in parentheses, which may contain spaces): utime and stime
+    // are the 12th and 13th of them.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i)?.parse::<f64>().ok();
+    Some((ticks(11)? / 100.0, ticks(12)? / 100.0))
+}
+
 /// `[1,2,3]}`: a prompt's token ids as a JSON array, and the brace that closes the body.
 fn token_array_tail(tokens: &[u32]) -> String {
     // Vocabulary ids have at most six digits; one more byte for the comma.
@@ -811,6 +823,7 @@ async fn run_async(
     let counter = Arc::new(AtomicU64::new(0));
     // Prompts handed to the engines and not yet published, at most.
     let backlog = Arc::new(tokio::sync::Semaphore::new(256));
+    let cpu_before = process_cpu_s();
     let start = Instant::now();
     let mut tasks = Vec::new();
     let prompts = Arc::new(prompts);
@@ -981,6 +994,11 @@ async fn run_async(
         }
     }
     let secs = start.elapsed().as_secs_f64();
+    // The load generator's own CPU over the measured loop (clients and fake engines), so that a
+    // run can say how much of the machine the harness took per request.
+    let cpu = process_cpu_s()
+        .zip(cpu_before)
+        .map(|((u1, s1), (u0, s0))| json!({"user_s": u1 - u0, "system_s": s1 - s0}));
     let mut storm_prompts = 0;
     for t in storm {
         storm_prompts += t.await.unwrap_or(0);
@@ -1009,6 +1027,7 @@ async fn run_async(
         "routes": routes,
         "statuses": all.statuses.iter().map(|(s, n)| (s.to_string(), json!(n))).collect::<serde_json::Map<_, _>>(),
         "errors": errors,
+        "loadgen_cpu": cpu,
         "engine_backlog_waits": all.backlog_waits,
         "engine_backlog_wait_s": all.backlog_wait_us as f64 / 1e6,
         "events": args.events_base_port.is_some(),
