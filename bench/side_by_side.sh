@@ -89,8 +89,7 @@ done
 DYN_PID=$(pgrep -n -f "dynamo.select_service --port $DYN_PORT")
 KV_PID=$(pgrep -n -f "$kvroute serve --port $KV_PORT")
 
-# CPU time of a process, all threads, in clock ticks.
-# A process's user and system CPU ticks (all threads).
+# A process's user and system CPU time (all threads), in clock ticks, as "user,system".
 cpu_ticks() { awk '{print $14 "," $15}' "/proc/$1/stat"; }
 
 # Stored blocks kvroute applied so far (from its /metrics).

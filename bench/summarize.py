@@ -16,10 +16,13 @@ for f in glob.glob(os.path.join(a.dir, "*.json")):
     r = json.load(open(f))
     runs[r["label"]] = r
 
-def cpu_us(run, route):
-    """Server CPU per request (per cycle in cycle mode), when the run recorded it."""
+def cpu_us(run, route, seconds=None):
+    """CPU µs per request (per cycle in cycle mode) of `seconds` over the run, by default the
+    server's whole CPU time; None when the run did not record it."""
+    if seconds is None:
+        seconds = run.get("server_cpu_s")
     done = route["rps"] * run.get("duration_s", 0)
-    return 1e6 * run["server_cpu_s"] / done if "server_cpu_s" in run and done else None
+    return 1e6 * seconds / done if seconds is not None and done else None
 
 
 rows, ratios, cpu_ratios = [], {}, {}
@@ -155,11 +158,12 @@ for name in ("dynamo", "kvroute"):
     per = []
     for rnd in range(1, a.rounds + 1):
         run = runs.get(f"{name}-cycle-r{rnd}", {})
-        n = run.get("cycles", {}).get("rps", 0) * run.get("duration_s", 0)
         lg = run.get("loadgen_cpu")
-        if n and "server_user_s" in run and lg:
-            per.append((1e6 * run["server_user_s"] / n, 1e6 * run["server_system_s"] / n,
-                        1e6 * (lg["user_s"] + lg["system_s"]) / n))
+        if "server_user_s" in run and lg:
+            parts = [cpu_us(run, run["cycles"], s) for s in
+                     (run["server_user_s"], run["server_system_s"], lg["user_s"] + lg["system_s"])]
+            if None not in parts:
+                per.append(parts)
     if per:
         split[name] = {k: statistics.median(p[i] for p in per)
                        for i, k in enumerate(("server_user_us", "server_system_us", "loadgen_us"))}

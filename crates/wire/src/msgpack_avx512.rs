@@ -77,7 +77,7 @@ fn read_ids_avx512(buf: &[u8], pos: &mut usize, out: &mut Vec<u32>, len: usize) 
     );
     let second_group = _mm512_add_epi8(id_of_byte, _mm512_set1_epi8(16));
     let byte_of_lane = _mm512_set1_epi32(0x0302_0100);
-    // Lanes k with bit j of k set, j = 0..5 (only the first 32 lanes are used).
+    // Lanes k with bit j of k set, j = 0..4 (only the first 32 lanes are used).
     const STEP_LANES: [u64; 5] = [
         0xaaaa_aaaa_aaaa_aaaa,
         0xcccc_cccc_cccc_cccc,

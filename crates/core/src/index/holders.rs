@@ -257,14 +257,11 @@ impl Holders {
         }
     }
 
-    /// Reads the first line of the set's storage outside the node (nothing for an inline set),
-    /// returning a word of it: a warm-up pass that reads the sets of many nodes back to back
-    /// overlaps their cache misses.
+    /// Reads the first word of the set's storage (in the arena unless the set is inline), so
+    /// that a warm-up pass reading the sets of many nodes back to back overlaps their cache
+    /// misses.
     #[inline]
     pub fn warm(&self, arena: &HolderArena) -> u64 {
-        if self.heap_index().is_none() {
-            return 0;
-        }
         match self.view(arena) {
             View::Entries(entries) => entries.first().copied().map_or(0, u64::from),
             View::Dense(dense) => dense.tiers[0].first().copied().unwrap_or(0),

@@ -200,6 +200,17 @@ impl Nodes {
             .is_some_and(|w| w & (1 << (node & 63)) != 0)
     }
 
+    /// Puts a node in a free slot.
+    fn reuse(&mut self, slot: u32, node: Node) {
+        *self.get_mut(slot) = node;
+        self.set_allocated(slot, true);
+    }
+
+    /// Marks a slot freed (its node's holders already cleared).
+    fn mark_freed(&mut self, slot: u32) {
+        self.set_allocated(slot, false);
+    }
+
     #[inline]
     fn set_allocated(&mut self, node: u32, allocated: bool) {
         let word = (node >> 6) as usize;
@@ -765,8 +776,7 @@ impl RadixIndex {
         }
         match self.free_nodes.pop() {
             Some(slot) => {
-                *self.nodes.get_mut(slot) = node;
-                self.nodes.set_allocated(slot, true);
+                self.nodes.reuse(slot, node);
                 slot
             }
             None => self.nodes.push(node),
@@ -983,7 +993,7 @@ impl RadixIndex {
         if let Ok(entry) = self.by_sequence.find_entry(hash, |&x| x == node) {
             entry.remove();
         }
-        self.nodes.set_allocated(node, false);
+        self.nodes.mark_freed(node);
         self.dead_nodes.push(node);
         self.live_nodes -= 1;
     }
