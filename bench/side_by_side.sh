@@ -4,6 +4,7 @@
 #
 #   bench/side_by_side.sh   # ROUNDS=3 DURATION=12 WARMUP=8 STORM_DURATION=10 WORKERS=64 CONCURRENCY=32
 #   INGEST_FREE=1 bench/side_by_side.sh   # also a cycle run per server without KV-event ingest
+#   ISOLATED=0 bench/side_by_side.sh      # without the cycle rounds on separate cores
 #
 # Dynamo's service binds 0.0.0.0 with no option to change it, so both servers and the load
 # generator run inside a network namespace whose only interface is loopback (needs root). The
@@ -20,6 +21,10 @@ cd "$repo"
 ROUNDS="${ROUNDS:-3}"
 DURATION="${DURATION:-12}"
 WARMUP="${WARMUP:-8}"
+# Cycle rounds with the load generator on cores of its own (below): 1 to run them, each
+# ISO_DURATION seconds (10, so that the whole script stays under 10 min on a fresh machine).
+ISOLATED="${ISOLATED:-1}"
+ISO_DURATION="${ISO_DURATION:-10}"
 # The event-storm runs (three pairs of quiet and storm runs, each pair adjacent in time).
 STORM_DURATION="${STORM_DURATION:-10}"
 WORKERS="${WORKERS:-64}"
@@ -141,7 +146,10 @@ run() { # name port mode round register [extra loadgen flags...]
   [ "$track_lag" = 1 ] && applied_before=$(stored_applied)
   cpu_before=$(cpu_ticks "$server_pid")
   stat_before=$(head -1 /proc/stat)
-  in_ns "$kvroute" loadgen --url "http://127.0.0.1:$port" --workers "$WORKERS" "${skip[@]}" \
+  # Pinned to its own cores in the isolated rounds.
+  local pin=()
+  [ -n "${loadgen_cpus:-}" ] && pin=(taskset -c "$loadgen_cpus")
+  in_ns "${pin[@]}" "$kvroute" loadgen --url "http://127.0.0.1:$port" --workers "$WORKERS" "${skip[@]}" \
     --events-base-port "$events_base" --engine-nice "${engine_nice:-$ENGINE_NICE}" --concurrency "$CONCURRENCY" --duration-secs "$DURATION" \
     --mode "$mode" --max-prompt-tokens "$MAX_PROMPT_TOKENS" "${trace_args[@]}" \
     --label "$name-$mode-r$round" --out "$workdir/$name-$mode-r$round.json" "$@" >/dev/null
@@ -200,6 +208,31 @@ for round in $(seq 1 "$ROUNDS"); do
     fi
   done
 done
+
+# The same cycle rounds with the load generator (clients and fake engines) on the lower half of
+# the cores and both servers on the upper half, as when the clients and engines are other
+# machines: in the rounds above the load generator takes ~75 µs of the same cores per cycle from
+# whichever server is measured, which compresses the ratio of two CPU-bound servers towards 1.
+# Each server gets the same cores here; on 2 cores, one each.
+ncpu=$(nproc)
+if [ "$ISOLATED" = 1 ] && [ "$ncpu" -ge 2 ]; then
+  half=$((ncpu / 2))
+  server_cpus="$half-$((ncpu - 1))"
+  echo "== $ROUNDS isolated cycle rounds of ${ISO_DURATION}s: servers on CPUs $server_cpus, load generator on CPUs 0-$((half - 1))"
+  # Every thread of both servers (-a); threads they start later inherit it.
+  pin_servers() { for pid in "$DYN_PID" "$KV_PID"; do taskset -a -p -c "$1" "$pid" >/dev/null; done; }
+  pin_servers "$server_cpus"
+  for round in $(seq 1 "$ROUNDS"); do
+    if [ $((round % 2)) = 1 ]; then
+      loadgen_cpus="0-$((half - 1))" DURATION=$ISO_DURATION run dynamo "$DYN_PORT" cycle "iso$round" 0
+      loadgen_cpus="0-$((half - 1))" DURATION=$ISO_DURATION run kvroute "$KV_PORT" cycle "iso$round" 0
+    else
+      loadgen_cpus="0-$((half - 1))" DURATION=$ISO_DURATION run kvroute "$KV_PORT" cycle "iso$round" 0
+      loadgen_cpus="0-$((half - 1))" DURATION=$ISO_DURATION run dynamo "$DYN_PORT" cycle "iso$round" 0
+    fi
+  done
+  pin_servers "0-$((ncpu - 1))"
+fi
 
 # Optional (INGEST_FREE=1): one more cycle run per server whose fake engines publish to ports no
 # server subscribes to, so that neither ingests KV events: how much of each server's cycle the

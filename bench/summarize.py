@@ -25,10 +25,16 @@ def cpu_us(run, route, seconds=None):
     return 1e6 * seconds / done if seconds is not None and done else None
 
 
+# Measures: (key, the load generator's mode, the round labels' prefix). `cycle_isolated`: the
+# cycle rounds with the load generator on cores of its own (side_by_side.sh, ISOLATED=1).
+MEASURES = (("select", "select", "r"), ("cycle", "cycle", "r"), ("cycle_isolated", "cycle", "riso"))
+NAMES = {"select": "/select", "cycle": "select→reserve→prefill→free cycle",
+         "cycle_isolated": "cycle, load generator on its own cores"}
+SHORT = {"select": "/select", "cycle": "cycle", "cycle_isolated": "cycle, isolated"}
 rows, ratios, cpu_ratios = [], {}, {}
-for mode in ("select", "cycle"):
+for mode, lg_mode, prefix in MEASURES:
     for rnd in range(1, a.rounds + 1):
-        d, k = runs.get(f"dynamo-{mode}-r{rnd}"), runs.get(f"kvroute-{mode}-r{rnd}")
+        d, k = runs.get(f"dynamo-{lg_mode}-{prefix}{rnd}"), runs.get(f"kvroute-{lg_mode}-{prefix}{rnd}")
         if not d or not k:
             continue
         metric = "select" if mode == "select" else None
@@ -88,14 +94,14 @@ lines = [f"### {report['date'][:19]} — {a.machine}, Dynamo {a.dynamo_version},
          "| measure | round | Dynamo req/s | kvroute req/s | ratio | Dynamo p50/p99 µs | kvroute p50/p99 µs | p99 ratio | server CPU µs/req Dynamo / kvroute | steal % |",
          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 for r in rows:
-    name = "/select" if r["mode"] == "select" else "select→reserve→prefill→free cycle"
+    name = NAMES[r["mode"]]
     d, k = r["dynamo"], r["kvroute"]
     lines.append(f"| {name} | {r['round']} | {d['rps']:.0f} | {k['rps']:.0f} | {r['throughput_ratio']:.2f}× | "
                  f"{d['p50_us']}/{d['p99_us']} | {k['p50_us']}/{k['p99_us']} | {r['p99_ratio']:.2f} | "
                  + (f"{r['dynamo_cpu_us']:.0f} / {r['kvroute_cpu_us']:.0f} | " if r["kvroute_cpu_us"] and r["dynamo_cpu_us"] else "n/a | ")
                  + f"{r['max_steal_pct']:.0f} |")
 for m, s in summary.items():
-    name = "/select" if m == "select" else "cycle"
+    name = SHORT[m]
     cpu = f"**{s['median_cpu_ratio']:.2f}× less**" if "median_cpu_ratio" in s else ""
     lines.append(f"| **{name} median** | | | | **{s['median_throughput_ratio']:.2f}×** | | | **{s['median_p99_ratio']:.2f}** | {cpu} | |")
 if storm_rows:
@@ -176,7 +182,8 @@ if split:
     if len(split) == 2:
         d, k = split["dynamo"], split["kvroute"]
         need = (d["server_user_us"] + d["server_system_us"] + d["loadgen_us"]) / 3 - k["loadgen_us"]
-        lines.append(f"At these costs 3× Dynamo's cycle rate needs kvroute's server at ≤ {need:.0f} µs "
+        lines.append(f"At these costs, with the load generator sharing the servers' cores, 3× Dynamo's "
+                     f"cycle rate needs kvroute's server at ≤ {need:.0f} µs "
                      f"of CPU per cycle (it used {k['server_user_us'] + k['server_system_us']:.0f}).")
 # Issue 7's targets, judged on this run's medians and storm pairs.
 checks = []
@@ -187,8 +194,12 @@ if "select" in summary:
                    f"{t['median_throughput_ratio']:.2f}×, p99 {t['median_p99_ratio']:.2f}"))
 if "cycle" in summary:
     t = summary["cycle"]
-    checks.append(("cycle throughput ≥ 3× Dynamo's", t["median_throughput_ratio"] >= 3,
-                   f"{t['median_throughput_ratio']:.2f}×"))
+    checks.append(("cycle throughput ≥ 3× Dynamo's, load generator sharing the servers' cores",
+                   t["median_throughput_ratio"] >= 3, f"{t['median_throughput_ratio']:.2f}×"))
+if "cycle_isolated" in summary:
+    t = summary["cycle_isolated"]
+    checks.append(("cycle throughput ≥ 3× Dynamo's, load generator on its own cores",
+                   t["median_throughput_ratio"] >= 3, f"{t['median_throughput_ratio']:.2f}×"))
 for r in storm_rows:
     if not r["target"]:
         continue
