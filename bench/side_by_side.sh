@@ -214,24 +214,34 @@ done
 # machines: in the rounds above the load generator takes ~75 µs of the same cores per cycle from
 # whichever server is measured, which compresses the ratio of two CPU-bound servers towards 1.
 # Each server gets the same cores here; on 2 cores, one each.
-ncpu=$(nproc)
-if [ "$ISOLATED" = 1 ] && [ "$ncpu" -ge 2 ]; then
-  half=$((ncpu / 2))
-  server_cpus="$half-$((ncpu - 1))"
-  echo "== $ROUNDS isolated cycle rounds of ${ISO_DURATION}s: servers on CPUs $server_cpus, load generator on CPUs 0-$((half - 1))"
+# The CPUs this script may use (a container's cpuset need not start at 0), split in two halves.
+allowed=$(awk '/^Cpus_allowed_list/ {print $2}' /proc/self/status)
+read -r loadgen_half server_half < <(python3 - "$allowed" <<'PY'
+import sys
+cpus = []
+for part in sys.argv[1].split(","):
+    lo, _, hi = part.partition("-")
+    cpus += range(int(lo), int(hi or lo) + 1)
+half = len(cpus) // 2
+print(",".join(map(str, cpus[:half])) or "-", ",".join(map(str, cpus[half:])))
+PY
+)
+if [ "$ISOLATED" = 1 ] && [ "$loadgen_half" != - ]; then
+  server_cpus=$server_half
+  echo "== $ROUNDS isolated cycle rounds of ${ISO_DURATION}s: servers on CPUs $server_cpus, load generator on CPUs $loadgen_half"
   # Every thread of both servers (-a); threads they start later inherit it.
   pin_servers() { for pid in "$DYN_PID" "$KV_PID"; do taskset -a -p -c "$1" "$pid" >/dev/null; done; }
   pin_servers "$server_cpus"
   for round in $(seq 1 "$ROUNDS"); do
     if [ $((round % 2)) = 1 ]; then
-      loadgen_cpus="0-$((half - 1))" DURATION=$ISO_DURATION run dynamo "$DYN_PORT" cycle "iso$round" 0
-      loadgen_cpus="0-$((half - 1))" DURATION=$ISO_DURATION run kvroute "$KV_PORT" cycle "iso$round" 0
+      loadgen_cpus="$loadgen_half" DURATION=$ISO_DURATION run dynamo "$DYN_PORT" cycle "iso$round" 0
+      loadgen_cpus="$loadgen_half" DURATION=$ISO_DURATION run kvroute "$KV_PORT" cycle "iso$round" 0
     else
-      loadgen_cpus="0-$((half - 1))" DURATION=$ISO_DURATION run kvroute "$KV_PORT" cycle "iso$round" 0
-      loadgen_cpus="0-$((half - 1))" DURATION=$ISO_DURATION run dynamo "$DYN_PORT" cycle "iso$round" 0
+      loadgen_cpus="$loadgen_half" DURATION=$ISO_DURATION run kvroute "$KV_PORT" cycle "iso$round" 0
+      loadgen_cpus="$loadgen_half" DURATION=$ISO_DURATION run dynamo "$DYN_PORT" cycle "iso$round" 0
     fi
   done
-  pin_servers "0-$((ncpu - 1))"
+  pin_servers "$allowed"
 fi
 
 # Optional (INGEST_FREE=1): one more cycle run per server whose fake engines publish to ports no
