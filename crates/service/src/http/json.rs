@@ -169,14 +169,20 @@ fn skip_ws(bytes: &[u8], mut i: usize) -> usize {
 /// Where the CPU has AVX-512 VBMI2, plain lists of 256 bytes and more are read 64 bytes at a
 /// time (module `avx512`); everything else as [`parse_token_array_portable`] does.
 pub fn parse_token_array(bytes: &[u8]) -> Option<(Vec<u32>, usize)> {
-    let (body, len) = array_contents(bytes)?;
     #[cfg(target_arch = "x86_64")]
-    if body.len() >= VECTOR_FROM_BYTES {
-        let total = memchr::memchr_iter(b',', body).count() + 1;
-        if let Some(ids) = avx512::token_list(body, total) {
+    if bytes.first() == Some(&b'[')
+        && let Some((end, commas)) = avx512::list_extent(&bytes[1..])
+    {
+        // The contents, and the array's length with both brackets.
+        let (body, len) = (&bytes[1..1 + end], end + 2);
+        if body.len() >= VECTOR_FROM_BYTES
+            && let Some(ids) = avx512::token_list(body, commas + 1)
+        {
             return Some((ids, len));
         }
+        return Some((list_ids(body)?, len));
     }
+    let (body, len) = array_contents(bytes)?;
     Some((list_ids(body)?, len))
 }
 
