@@ -213,8 +213,8 @@ done
 # the cores and both servers on the upper half, as when the clients and engines are other
 # machines: in the rounds above the load generator takes ~75 µs of the same cores per cycle from
 # whichever server is measured, which compresses the ratio of two CPU-bound servers towards 1.
-# Each server gets the same cores here; on 2 cores, one each.
-# The CPUs this script may use (a container's cpuset need not start at 0), split in two halves.
+# Each server gets the same cores here; on 2 cores, one each. The halves are of the CPUs this
+# script may use (a container's cpuset need not start at 0).
 allowed=$(awk '/^Cpus_allowed_list/ {print $2}' /proc/self/status)
 read -r loadgen_half server_half < <(python3 - "$allowed" <<'PY'
 import sys
@@ -227,11 +227,10 @@ print(",".join(map(str, cpus[:half])) or "-", ",".join(map(str, cpus[half:])))
 PY
 )
 if [ "$ISOLATED" = 1 ] && [ "$loadgen_half" != - ]; then
-  server_cpus=$server_half
-  echo "== $ROUNDS isolated cycle rounds of ${ISO_DURATION}s: servers on CPUs $server_cpus, load generator on CPUs $loadgen_half"
+  echo "== $ROUNDS isolated cycle rounds of ${ISO_DURATION}s: servers on CPUs $server_half, load generator on CPUs $loadgen_half"
   # Every thread of both servers (-a); threads they start later inherit it.
   pin_servers() { for pid in "$DYN_PID" "$KV_PID"; do taskset -a -p -c "$1" "$pid" >/dev/null; done; }
-  pin_servers "$server_cpus"
+  pin_servers "$server_half"
   for round in $(seq 1 "$ROUNDS"); do
     if [ $((round % 2)) = 1 ]; then
       loadgen_cpus="$loadgen_half" DURATION=$ISO_DURATION run dynamo "$DYN_PORT" cycle "iso$round" 0

@@ -25,14 +25,14 @@ def cpu_us(run, route, seconds=None):
     return 1e6 * seconds / done if seconds is not None and done else None
 
 
-# Measures: (key, the load generator's mode, the round labels' prefix). `cycle_isolated`: the
-# cycle rounds with the load generator on cores of its own (side_by_side.sh, ISOLATED=1).
-MEASURES = (("select", "select", "r"), ("cycle", "cycle", "r"), ("cycle_isolated", "cycle", "riso"))
-NAMES = {"select": "/select", "cycle": "select→reserve→prefill→free cycle",
-         "cycle_isolated": "cycle, load generator on its own cores"}
-SHORT = {"select": "/select", "cycle": "cycle", "cycle_isolated": "cycle, isolated"}
+# Measures: key → (the load generator's mode, the round labels' prefix, the table's row name,
+# its median's name). `cycle_isolated`: the cycle rounds with the load generator on cores of its
+# own (side_by_side.sh, ISOLATED=1).
+MEASURES = {"select": ("select", "r", "/select", "/select"),
+            "cycle": ("cycle", "r", "select→reserve→prefill→free cycle", "cycle"),
+            "cycle_isolated": ("cycle", "riso", "cycle, load generator on its own cores", "cycle, isolated")}
 rows, ratios, cpu_ratios = [], {}, {}
-for mode, lg_mode, prefix in MEASURES:
+for mode, (lg_mode, prefix, _, _) in MEASURES.items():
     for rnd in range(1, a.rounds + 1):
         d, k = runs.get(f"dynamo-{lg_mode}-{prefix}{rnd}"), runs.get(f"kvroute-{lg_mode}-{prefix}{rnd}")
         if not d or not k:
@@ -94,14 +94,14 @@ lines = [f"### {report['date'][:19]} — {a.machine}, Dynamo {a.dynamo_version},
          "| measure | round | Dynamo req/s | kvroute req/s | ratio | Dynamo p50/p99 µs | kvroute p50/p99 µs | p99 ratio | server CPU µs/req Dynamo / kvroute | steal % |",
          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 for r in rows:
-    name = NAMES[r["mode"]]
+    name = MEASURES[r["mode"]][2]
     d, k = r["dynamo"], r["kvroute"]
     lines.append(f"| {name} | {r['round']} | {d['rps']:.0f} | {k['rps']:.0f} | {r['throughput_ratio']:.2f}× | "
                  f"{d['p50_us']}/{d['p99_us']} | {k['p50_us']}/{k['p99_us']} | {r['p99_ratio']:.2f} | "
                  + (f"{r['dynamo_cpu_us']:.0f} / {r['kvroute_cpu_us']:.0f} | " if r["kvroute_cpu_us"] and r["dynamo_cpu_us"] else "n/a | ")
                  + f"{r['max_steal_pct']:.0f} |")
 for m, s in summary.items():
-    name = SHORT[m]
+    name = MEASURES[m][3]
     cpu = f"**{s['median_cpu_ratio']:.2f}× less**" if "median_cpu_ratio" in s else ""
     lines.append(f"| **{name} median** | | | | **{s['median_throughput_ratio']:.2f}×** | | | **{s['median_p99_ratio']:.2f}** | {cpu} | |")
 if storm_rows:

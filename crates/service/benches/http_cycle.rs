@@ -12,11 +12,13 @@ use criterion::{Criterion, criterion_group, criterion_main};
 use kvroute_service::api;
 use kvroute_service::config::ServeConfig;
 use kvroute_service::http::app;
-use kvroute_service::http::types::{ReservationBody, SelectBody, WorkerBody};
+use kvroute_service::http::types::{ReservationBody, SelectBody};
 use kvroute_service::state::AppState;
 use std::hint::black_box;
 use std::sync::Arc;
 use tower::ServiceExt;
+
+mod common;
 
 // The allocator the kvroute binary uses.
 #[global_allocator]
@@ -26,18 +28,10 @@ const WORKERS: u64 = 64;
 const PROMPTS: u32 = 64;
 const TOKENS: u32 = 12_288;
 
+/// Workers without KV-event endpoints: an approximate cache model stands in for their index
+/// entries, the same on both paths.
 fn service() -> Arc<AppState> {
-    // KV events on (the index, not an approximate model, answers), but no engines to listen to.
-    let config = ServeConfig::defaults();
-    let state = AppState::new(config).unwrap();
-    for id in 1..=WORKERS {
-        let body: WorkerBody = serde_json::from_value(serde_json::json!({
-            "worker_id": id, "endpoint": format!("http://worker-{id}:8000"), "block_size": 64,
-        }))
-        .unwrap();
-        api::upsert_worker(&state, body).unwrap();
-    }
-    state
+    common::service_with_workers(ServeConfig::defaults(), WORKERS)
 }
 
 /// Token ids as a JSON array, for prompt `seed`.

@@ -9,27 +9,21 @@ use criterion::{Criterion, criterion_group, criterion_main};
 use kvroute_core::event::{KvEvent, StoredBlock, Tier};
 use kvroute_service::api;
 use kvroute_service::config::ServeConfig;
-use kvroute_service::http::types::{SelectBody, WorkerBody};
+use kvroute_service::http::types::SelectBody;
 use kvroute_service::state::AppState;
 use std::hint::black_box;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+mod common;
+
 const WORKERS: u64 = 64;
 
 fn service() -> Arc<AppState> {
     let mut config = ServeConfig::defaults();
     config.no_kv_events = true; // no listeners: the storm comes straight into the sink
-    let state = AppState::new(config).unwrap();
-    for id in 1..=WORKERS {
-        let body: WorkerBody = serde_json::from_value(serde_json::json!({
-            "worker_id": id, "endpoint": format!("http://worker-{id}:8000"), "block_size": 64,
-        }))
-        .unwrap();
-        api::upsert_worker(&state, body).unwrap();
-    }
-    state
+    common::service_with_workers(config, WORKERS)
 }
 
 fn prompt(seed: u32) -> Vec<u32> {

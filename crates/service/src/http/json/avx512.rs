@@ -207,6 +207,16 @@ fn spread() -> __m512i {
 mod tests {
     use super::*;
 
+    /// A xorshift64 generator from `seed` (not 0).
+    fn xorshift(mut seed: u64) -> impl FnMut() -> u64 {
+        move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        }
+    }
+
     fn portable(list: &str) -> Option<Vec<u32>> {
         let text = format!("[{list}]");
         super::super::parse_token_array_portable(text.as_bytes()).map(|(ids, _)| ids)
@@ -227,13 +237,7 @@ mod tests {
             assert_eq!(list_extent(b"1,2]"), None);
             return;
         }
-        let mut seed = 0x2545_f491_4f6c_dd1du64;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
+        let mut next = xorshift(0x2545_f491_4f6c_dd1d);
         for case in 0..4000 {
             let len = (next() % 300) as usize;
             // Mostly digits and commas; a `]` (or several) somewhere, or none at all.
@@ -271,13 +275,7 @@ mod tests {
             assert_eq!(vector(&"1,".repeat(100)[..199]), None);
             return;
         }
-        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
+        let mut next = xorshift(0x9e37_79b9_7f4a_7c15);
         for case in 0..3000 {
             let len = (next() % 400) as usize + 1;
             // Ids of every width up to eight digits, some cases all short or all long.
