@@ -47,8 +47,10 @@ TRACE="${TRACE:-$repo/../shared/traces/mooncake/conversation_trace.jsonl}"
 venv="$here/.venv"
 stamp="$(date -u +%Y-%m-%dT%H-%M-%SZ)"
 workdir="$(mktemp -d)"
+# Each phase's heading starts with the time since the script started ([m:ss]).
+say() { printf '== [%d:%02d] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*"; }
 
-echo "== building kvroute (release) and installing ai-dynamo-runtime==$DYNAMO_VERSION into $venv"
+say "building kvroute (release) and installing ai-dynamo-runtime==$DYNAMO_VERSION into $venv"
 # The install runs while cargo builds.
 (
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
@@ -183,18 +185,18 @@ if lag == "1":
     r["index_settle_s"] = float(settle)
 json.dump(r, open(path, "w"))
 PY
-  echo "   $name $mode round $round done"
+  printf "   [%d:%02d] %s\n" $((SECONDS / 60)) $((SECONDS % 60)) "$name $mode round $round done"
 }
 
 # Warm-up: a cycle run per server before the measured rounds, so that round 1, like every later
 # round, meets servers whose indexes already hold what earlier engines published.
-echo "== warming up: ${WARMUP}s of cycles per server"
+say "warming up: ${WARMUP}s of cycles per server"
 for name in dynamo kvroute; do
   port=$KV_PORT; [ "$name" = dynamo ] && port=$DYN_PORT
   DURATION=$WARMUP run "$name" "$port" cycle warm 1
 done
 
-echo "== running $ROUNDS rounds of ${DURATION}s per server and mode (W=$WORKERS, C=$CONCURRENCY)"
+say "running $ROUNDS rounds of ${DURATION}s per server and mode (W=$WORKERS, C=$CONCURRENCY)"
 # The machine's speed may drift during the run: odd rounds measure Dynamo first, even rounds
 # kvroute first (A B B A), so a steady drift favours neither in the median.
 for round in $(seq 1 "$ROUNDS"); do
@@ -227,7 +229,7 @@ print(",".join(map(str, cpus[:half])) or "-", ",".join(map(str, cpus[half:])))
 PY
 )
 if [ "$ISOLATED" = 1 ] && [ "$loadgen_half" != - ]; then
-  echo "== $ROUNDS isolated cycle rounds of ${ISO_DURATION}s: servers on CPUs $server_half, load generator on CPUs $loadgen_half"
+  say "$ROUNDS isolated cycle rounds of ${ISO_DURATION}s: servers on CPUs $server_half, load generator on CPUs $loadgen_half"
   # Every thread of both servers (-a); threads they start later inherit it.
   pin_servers() { for pid in "$DYN_PID" "$KV_PID"; do taskset -a -p -c "$1" "$pid" >/dev/null; done; }
   pin_servers "$server_half"
@@ -248,7 +250,7 @@ fi
 # ingest is (its index stays as the measured rounds left it; summarize.py prints the comparison).
 # Not a target of issue 7.
 if [ "${INGEST_FREE:-0}" = 1 ]; then
-  echo "== ingest-free cycle runs: the engines publish to ports no server subscribes to"
+  say "ingest-free cycle runs: the engines publish to ports no server subscribes to"
   for name in dynamo kvroute; do
     port=$KV_PORT; [ "$name" = dynamo ] && port=$DYN_PORT
     unsubscribed_events_base=$UNSUBSCRIBED_EVENTS_BASE \
@@ -256,7 +258,7 @@ if [ "${INGEST_FREE:-0}" = 1 ]; then
   done
 fi
 
-echo "== event storm: kvroute /select while every fake engine publishes as fast as it can"
+say "event storm: kvroute /select while every fake engine publishes as fast as it can"
 storm_run() { # label [extra loadgen flags...]
   local label=$1
   shift
@@ -302,4 +304,5 @@ out="$here/results/$stamp.json"
 python3 "$here/summarize.py" --dir "$workdir" --rounds "$ROUNDS" --out "$out" \
   --machine "$(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(uname -m)" \
   --dynamo-version "$DYNAMO_VERSION" ${UPDATE_BENCHMARKS:+--benchmarks "$repo/BENCHMARKS.md"}
-echo "== wrote $out"
+say "wrote $out"
+say "done"
