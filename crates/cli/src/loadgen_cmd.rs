@@ -769,6 +769,17 @@ async fn run_async(
     engines_rt: tokio::runtime::Handle,
 ) -> Result<serde_json::Value, String> {
     let addr = resolve(&args.url)?;
+    // The fake engines (stand-ins for engines on other hosts) run on a thread of their own, so
+    // publishing never delays this process's clients, whose latencies are the measurement.
+    // They bind first: a service that already lists their workers reconnects to them while the
+    // prompts are read and prepared below (a second or more), instead of after.
+    let engine_args = args.clone();
+    let engines = on_engines(
+        &engines_rt,
+        async move { start_engines(&engine_args).await },
+    )
+    .await
+    .ok_or("the fake engines' runtime stopped")??;
     let prompts = match &args.trace {
         Some(path) => trace_prompts(path, args.max_prompt_tokens)?,
         None => synthetic_prompts(args.max_prompt_tokens),
@@ -783,15 +794,6 @@ async fn run_async(
     let sequences: Arc<Vec<Vec<u64>>> = Arc::new(prepared.sequences);
     let packed: Arc<Vec<PackedTokens>> = Arc::new(prepared.packed);
     let mean_tokens = prompts.iter().map(Vec::len).sum::<usize>() / prompts.len();
-    // The fake engines (stand-ins for engines on other hosts) run on a thread of their own, so
-    // publishing never delays this process's clients, whose latencies are the measurement.
-    let engine_args = args.clone();
-    let engines = on_engines(
-        &engines_rt,
-        async move { start_engines(&engine_args).await },
-    )
-    .await
-    .ok_or("the fake engines' runtime stopped")??;
     register(addr, &args).await?;
     if let Some(engines) = &engines
         && args.subscriber_wait_secs > 0

@@ -629,6 +629,73 @@ async fn engine_coming_back_is_reconnected_and_its_restart_detected() {
     assert_eq!(restarts(&state.metrics, 1, &address), 1);
 }
 
+/// An idle engine's connection is healthy: after it drops, the listener reconnects from the first
+/// delay. (Counting each silent session as a failure doubled the delay every time: after five
+/// such sessions the sixth connection came 1.6 s after the engine was back.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_engine_that_comes_back_is_reconnected_at_once() {
+    let app = TestApp::new();
+    let state = Arc::clone(&app.state);
+    let metrics = Arc::new(Metrics::new());
+    let manager = IngestManager::with_config(
+        Arc::new(SelectorSink(Arc::clone(&state.selector))),
+        Arc::clone(&metrics),
+        IngestConfig {
+            healthy_connection: Duration::from_millis(200),
+            ..IngestConfig::default()
+        },
+    );
+    let first = engine(false, Encoding::Array).await;
+    let address = first.pub_endpoint().to_string();
+    let outcome = state
+        .selector
+        .write()
+        .upsert_worker(WorkerSpec {
+            worker_id: 1,
+            model_name: MODEL.to_string(),
+            routing_group: "default".to_string(),
+            endpoint: Some("http://worker-1".to_string()),
+            block_size: Some(BLOCK),
+            kv_events_endpoint: Some(address.clone()),
+            ..WorkerSpec::default()
+        })
+        .unwrap();
+    manager.sync_worker(&outcome.record, outcome.events_changed);
+    let mut current = first;
+    for session in 1..=6 {
+        let back = Instant::now();
+        assert!(
+            current.wait_for_subscribers(1, WAIT).await,
+            "session {session}: the listener did not connect"
+        );
+        if session > 1 {
+            let waited = back.elapsed();
+            assert!(
+                waited < Duration::from_millis(1000),
+                "session {session}: reconnected {waited:?} after the engine came back"
+            );
+        }
+        // Up, silent, longer than a healthy connection; then gone and back at once.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        drop(current);
+        let deadline = Instant::now() + WAIT;
+        current = loop {
+            match FakeEngine::bind(&address, None, Encoding::Array).await {
+                Ok(engine) => break engine,
+                Err(error) => {
+                    assert!(
+                        Instant::now() < deadline,
+                        "cannot bind {address} again: {error}"
+                    );
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        };
+    }
+    manager.remove_worker(1);
+    eventually("stopped", || manager.active_listeners() == 0).await;
+}
+
 /// Applies events to a selector (what the service's own sink does), for a manager with short
 /// timeouts.
 struct SelectorSink(Arc<RwLock<Selector>>);

@@ -266,11 +266,15 @@ impl Listener {
                 self.count_connect_replay(&report, reconnect);
             }
             self.set_state(ListenerState::Live, &stop);
+            let live_since = Instant::now();
             match self.live(&mut sub, &mut monitor, &mut stop).await {
                 Exit::Stopped => break,
                 Exit::Disconnected { received } => {
                     drop(sub);
-                    if received {
+                    // A connection that delivered a message, or stayed up a while (an idle
+                    // engine has nothing to say), was healthy: reconnect from the first delay.
+                    // One dropped at once by its peer keeps backing off.
+                    if received || live_since.elapsed() >= self.config.healthy_connection {
                         backoff = self.config.initial_backoff;
                     }
                     tracing::warn!(

@@ -19,7 +19,8 @@
 //! ```
 //! (`kv_listener_state`: 0 connecting, 1 live, 2 replaying, 3 stopped.) One connect attempt
 //! lasts up to [`IngestConfig::connect_timeout`] (ZMQ retries a refused connection within it);
-//! the backoff resets once a connection delivered a message.
+//! the backoff resets once a connection delivered a message or stayed up for
+//! [`IngestConfig::healthy_connection`] (1 s: an idle engine's connection is healthy too).
 //!
 //! Sequence numbers are tracked per endpoint ([`sequence`]); a live message with seq `s`,
 //! against `next` = last received + 1:
@@ -103,6 +104,9 @@ pub struct IngestConfig {
     /// First reconnect delay; doubles per failed attempt up to `max_backoff`.
     pub initial_backoff: Duration,
     pub max_backoff: Duration,
+    /// A connection that stayed up this long counts as healthy even if it delivered nothing:
+    /// when it drops, reconnecting starts again from `initial_backoff`.
+    pub healthy_connection: Duration,
     /// How long one connect attempt may take (ZMQ retries a refused connection within it).
     pub connect_timeout: Duration,
     /// A replay without an end marker by then is abandoned and counted.
@@ -124,6 +128,7 @@ impl Default for IngestConfig {
         Self {
             initial_backoff: Duration::from_millis(100),
             max_backoff: Duration::from_secs(5),
+            healthy_connection: Duration::from_secs(1),
             connect_timeout: Duration::from_secs(1),
             replay_timeout: Duration::from_secs(5),
             // vLLM keeps 10,000 batches for replay by default.
