@@ -47,8 +47,9 @@ TRACE="${TRACE:-$repo/../shared/traces/mooncake/conversation_trace.jsonl}"
 venv="$here/.venv"
 stamp="$(date -u +%Y-%m-%dT%H-%M-%SZ)"
 workdir="$(mktemp -d)"
-# Each phase's heading starts with the time since the script started ([m:ss]).
-say() { printf '== [%d:%02d] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*"; }
+# Each phase's heading and each run's line start with the time since the script started.
+elapsed() { printf '[%d:%02d]' $((SECONDS / 60)) $((SECONDS % 60)); }
+say() { echo "== $(elapsed) $*"; }
 
 say "building kvroute (release) and installing ai-dynamo-runtime==$DYNAMO_VERSION into $venv"
 # The install runs while cargo builds.
@@ -185,7 +186,7 @@ if lag == "1":
     r["index_settle_s"] = float(settle)
 json.dump(r, open(path, "w"))
 PY
-  printf "   [%d:%02d] %s\n" $((SECONDS / 60)) $((SECONDS % 60)) "$name $mode round $round done"
+  echo "   $(elapsed) $name $mode round $round done"
 }
 
 # Warm-up: a cycle run per server before the measured rounds, so that round 1, like every later

@@ -146,6 +146,24 @@ async fn engine(replay: bool, encoding: Encoding) -> FakeEngine {
     .unwrap()
 }
 
+/// A fake engine bound again at `address` after the last one there was dropped (the port may
+/// take a moment to be free again).
+async fn rebind(address: &str, encoding: Encoding) -> FakeEngine {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        match FakeEngine::bind(address, None, encoding).await {
+            Ok(engine) => return engine,
+            Err(error) => {
+                assert!(
+                    Instant::now() < deadline,
+                    "cannot bind {address} again: {error}"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    }
+}
+
 /// Publishes a probe prompt until the rank holds it: from then on the subscription is in place
 /// and nothing the engine publishes is lost on the way. Returns the probe.
 async fn warm_up(
@@ -594,20 +612,8 @@ async fn engine_coming_back_is_reconnected_and_its_restart_detected() {
     eventually("stored", || device(&state, 1, 0, &before) == 2).await;
     drop(first);
 
-    // The same address comes back (the port may take a moment to be free again).
-    let deadline = Instant::now() + WAIT;
-    let mut second = loop {
-        match FakeEngine::bind(&address, None, Encoding::Map).await {
-            Ok(engine) => break engine,
-            Err(error) => {
-                assert!(
-                    Instant::now() < deadline,
-                    "cannot bind {address} again: {error}"
-                );
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }
-    };
+    // The same address comes back.
+    let mut second = rebind(&address, Encoding::Map).await;
     assert!(
         second.wait_for_subscribers(1, WAIT).await,
         "the listener did not reconnect"
@@ -636,10 +642,8 @@ async fn engine_coming_back_is_reconnected_and_its_restart_detected() {
 async fn an_idle_engine_that_comes_back_is_reconnected_at_once() {
     let app = TestApp::new();
     let state = Arc::clone(&app.state);
-    let metrics = Arc::new(Metrics::new());
-    let manager = IngestManager::with_config(
-        Arc::new(SelectorSink(Arc::clone(&state.selector))),
-        Arc::clone(&metrics),
+    let (manager, _metrics) = own_manager(
+        &state,
         IngestConfig {
             healthy_connection: Duration::from_millis(200),
             ..IngestConfig::default()
@@ -647,20 +651,7 @@ async fn an_idle_engine_that_comes_back_is_reconnected_at_once() {
     );
     let first = engine(false, Encoding::Array).await;
     let address = first.pub_endpoint().to_string();
-    let outcome = state
-        .selector
-        .write()
-        .upsert_worker(WorkerSpec {
-            worker_id: 1,
-            model_name: MODEL.to_string(),
-            routing_group: "default".to_string(),
-            endpoint: Some("http://worker-1".to_string()),
-            block_size: Some(BLOCK),
-            kv_events_endpoint: Some(address.clone()),
-            ..WorkerSpec::default()
-        })
-        .unwrap();
-    manager.sync_worker(&outcome.record, outcome.events_changed);
+    listen_to(&state, &manager, &first);
     let mut current = first;
     for session in 1..=6 {
         let back = Instant::now();
@@ -678,19 +669,7 @@ async fn an_idle_engine_that_comes_back_is_reconnected_at_once() {
         // Up, silent, longer than a healthy connection; then gone and back at once.
         tokio::time::sleep(Duration::from_millis(300)).await;
         drop(current);
-        let deadline = Instant::now() + WAIT;
-        current = loop {
-            match FakeEngine::bind(&address, None, Encoding::Array).await {
-                Ok(engine) => break engine,
-                Err(error) => {
-                    assert!(
-                        Instant::now() < deadline,
-                        "cannot bind {address} again: {error}"
-                    );
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
-            }
-        };
+        current = rebind(&address, Encoding::Array).await;
     }
     manager.remove_worker(1);
     eventually("stopped", || manager.active_listeners() == 0).await;
@@ -709,22 +688,20 @@ impl EventSink for SelectorSink {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn replay_that_never_ends_times_out_and_is_counted() {
-    let app = TestApp::new();
-    let state = Arc::clone(&app.state);
+/// An ingest manager of its own (with `config`) applying to the app's selector, and its metrics.
+fn own_manager(state: &AppState, config: IngestConfig) -> (IngestManager, Arc<Metrics>) {
     let metrics = Arc::new(Metrics::new());
     let manager = IngestManager::with_config(
         Arc::new(SelectorSink(Arc::clone(&state.selector))),
         Arc::clone(&metrics),
-        IngestConfig {
-            replay_timeout: Duration::from_millis(300),
-            ..IngestConfig::default()
-        },
+        config,
     );
-    let mut engine = engine(true, Encoding::Array).await;
-    engine.set_replay_mode(ReplayMode::NoEndMarker);
-    let endpoint = engine.pub_endpoint().to_string();
+    (manager, metrics)
+}
+
+/// Registers worker 1 with `engine`'s endpoints straight in the selector, and has `manager`
+/// listen to it.
+fn listen_to(state: &AppState, manager: &IngestManager, engine: &FakeEngine) {
     let outcome = state
         .selector
         .write()
@@ -734,13 +711,30 @@ async fn replay_that_never_ends_times_out_and_is_counted() {
             routing_group: "default".to_string(),
             endpoint: Some("http://worker-1".to_string()),
             block_size: Some(BLOCK),
-            kv_events_endpoint: Some(endpoint.clone()),
+            kv_events_endpoint: Some(engine.pub_endpoint().to_string()),
             replay_endpoint: engine.replay_endpoint().map(str::to_string),
             ..WorkerSpec::default()
         })
         .unwrap();
     assert_eq!(outcome.record.not_schedulable_reasons, Vec::<String>::new());
     manager.sync_worker(&outcome.record, outcome.events_changed);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_that_never_ends_times_out_and_is_counted() {
+    let app = TestApp::new();
+    let state = Arc::clone(&app.state);
+    let (manager, metrics) = own_manager(
+        &state,
+        IngestConfig {
+            replay_timeout: Duration::from_millis(300),
+            ..IngestConfig::default()
+        },
+    );
+    let mut engine = engine(true, Encoding::Array).await;
+    engine.set_replay_mode(ReplayMode::NoEndMarker);
+    let endpoint = engine.pub_endpoint().to_string();
+    listen_to(&state, &manager, &engine);
     assert!(engine.wait_for_subscribers(1, WAIT).await);
     // The replay on connect gets no end marker.
     eventually("the connect replay timed out", || {
