@@ -15,7 +15,9 @@ use criterion::{Criterion, criterion_group, criterion_main};
 use kvroute_core::error::PartitionKey;
 use kvroute_core::event::Rank;
 use kvroute_core::hash::{BASE_SEED, local_hashes};
-use kvroute_core::selector::{Prompt, ReservationRequest, SelectRequest, Selector, WorkerSpec};
+use kvroute_core::selector::{
+    LifecycleCalls, Prompt, ReservationRequest, SelectRequest, Selector, WorkerSpec,
+};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use std::collections::HashSet;

@@ -8,7 +8,9 @@ use crate::state::AppState;
 use kvroute_core::error::{Error, PartitionKey, check_id};
 use kvroute_core::event::{KvEvent, Rank, Tier};
 use kvroute_core::hash::{PromptHashes, seed_for};
-use kvroute_core::selector::{PartitionDump, Prompt, ReservationRequest, SelectRequest, Shared};
+use kvroute_core::selector::{
+    LifecycleCalls, PartitionDump, Prompt, ReservationRequest, SelectRequest,
+};
 use serde_json::{Value, json};
 use std::time::Instant;
 
@@ -220,19 +222,9 @@ pub fn create_reservation(state: &AppState, mut body: ReservationBody) -> ApiRes
         track_prefill_tokens: body.track_prefill_tokens,
         overrides,
     };
-    // A replay onto a rank with KV events books under the read lock (the load tracker has its
-    // own mutex); anything else takes the write lock.
-    let shared = state
-        .selector
-        .read()
-        .create_reservation_shared(&req, Instant::now())?;
-    let reservation = match shared {
-        Shared::Done(reservation) => reservation,
-        Shared::Exclusive => state
-            .selector
-            .write()
-            .create_reservation(&req, Instant::now())?,
-    };
+    // A replay onto a rank with KV events books under the read lock; anything else takes the
+    // write lock (LifecycleCalls).
+    let reservation = state.selector.create_reservation(&req, Instant::now())?;
     state.sync.booking_changed(&reservation.reservation_id);
     Ok(reservation_json(&reservation))
 }
@@ -245,16 +237,7 @@ fn reservation_id(raw: &str) -> Result<&str, ApiError> {
 /// `POST /reservations/{id}/prefill_complete`.
 pub fn prefill_complete(state: &AppState, id: &str) -> ApiResult {
     let id = reservation_id(id)?;
-    let shared = state
-        .selector
-        .read()
-        .prefill_complete_shared(id, Instant::now())?;
-    if shared == Shared::Exclusive {
-        state
-            .selector
-            .write()
-            .prefill_complete(id, Instant::now())?;
-    }
+    state.selector.prefill_complete(id, Instant::now())?;
     state.sync.booking_changed(id);
     Ok(ok_status())
 }
@@ -262,16 +245,9 @@ pub fn prefill_complete(state: &AppState, id: &str) -> ApiResult {
 /// `POST /reservations/{id}/output_block`.
 pub fn output_block(state: &AppState, id: &str, decay_fraction: Option<f64>) -> ApiResult {
     let id = reservation_id(id)?;
-    let shared = state
+    state
         .selector
-        .read()
-        .output_block_shared(id, decay_fraction, Instant::now())?;
-    if shared == Shared::Exclusive {
-        state
-            .selector
-            .write()
-            .output_block(id, decay_fraction, Instant::now())?;
-    }
+        .output_block(id, decay_fraction, Instant::now())?;
     state.sync.output_block(id);
     Ok(ok_status())
 }
@@ -279,10 +255,7 @@ pub fn output_block(state: &AppState, id: &str, decay_fraction: Option<f64>) -> 
 /// `DELETE /reservations/{id}`.
 pub fn free_reservation(state: &AppState, id: &str) -> ApiResult {
     let id = reservation_id(id)?;
-    let shared = state.selector.read().free_shared(id)?;
-    if shared == Shared::Exclusive {
-        state.selector.write().free(id)?;
-    }
+    state.selector.free(id)?;
     state.sync.booking_changed(id);
     Ok(ok_status())
 }

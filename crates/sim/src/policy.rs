@@ -23,7 +23,9 @@ use kvroute_core::error::PartitionKey;
 use kvroute_core::event::{KvEvent, StoredBlock};
 use kvroute_core::hash::PromptHashes;
 use kvroute_core::schedule::SchedulerConfig;
-use kvroute_core::selector::{Prompt, SelectRequest, Selector, SelectorConfig, WorkerSpec};
+use kvroute_core::selector::{
+    LifecycleCalls, Prompt, SelectRequest, Selector, SelectorConfig, WorkerSpec,
+};
 use rand::Rng;
 use rand::rngs::SmallRng;
 use std::collections::{BTreeSet, VecDeque};

@@ -268,7 +268,7 @@ impl SyncApplyOutcome {
 mod tests {
     use super::*;
     use crate::error::PartitionKey;
-    use crate::selector::{Prompt, ReservationRequest, SelectRequest, WorkerSpec};
+    use crate::selector::{LifecycleCalls, Prompt, ReservationRequest, SelectRequest, WorkerSpec};
     use rand::SeedableRng;
     use rand::rngs::SmallRng;
     use std::time::Duration;

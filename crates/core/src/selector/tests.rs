@@ -1,6 +1,11 @@
 use super::*;
 use crate::approx::CachePolicy;
+use crate::error::PartitionKey;
+use crate::event::{KvEvent, Rank};
 use crate::event::{StoredBlock, Tier};
+use crate::hash::PromptHashes;
+use crate::load::RankLoad;
+use crate::schedule::Overrides;
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 use std::thread;
@@ -1021,8 +1026,8 @@ fn shared_lifecycle_calls_leave_the_state_exclusive_ones_do() {
         outcomes
             .1
             .push(match shared.create_reservation_shared(&req, now) {
-                Ok(Shared::Done(r)) => Ok(r),
-                Ok(Shared::Exclusive) => panic!("a replay onto an events rank books shared"),
+                Ok(Some(r)) => Ok(r),
+                Ok(None) => panic!("a replay onto an events rank books shared"),
                 Err(e) => Err(e.to_string()),
             });
     }
@@ -1030,22 +1035,16 @@ fn shared_lifecycle_calls_leave_the_state_exclusive_ones_do() {
     assert_eq!(load_state(&exclusive), load_state(&shared));
     let later = now + Duration::from_secs(1);
     exclusive.prefill_complete("r0", later).unwrap();
-    assert_eq!(
-        shared.prefill_complete_shared("r0", later),
-        Ok(Shared::Done(()))
-    );
+    assert_eq!(shared.prefill_complete_shared("r0", later), Ok(()));
     exclusive.output_block("r1", None, later).unwrap();
-    assert_eq!(
-        shared.output_block_shared("r1", None, later),
-        Ok(Shared::Done(()))
-    );
+    assert_eq!(shared.output_block_shared("r1", None, later), Ok(Some(())));
     exclusive.output_block("r1", Some(0.5), later).unwrap();
     assert_eq!(
         shared.output_block_shared("r1", Some(0.5), later),
-        Ok(Shared::Done(()))
+        Ok(Some(()))
     );
     exclusive.free("r2").unwrap();
-    assert_eq!(shared.free_shared("r2"), Ok(Shared::Done(())));
+    assert_eq!(shared.free_shared("r2"), Ok(Some(())));
     assert_eq!(load_state(&exclusive), load_state(&shared));
     // The same errors, with the same texts.
     let replayed = ReservationRequest::replay(&p, "r0");
@@ -1100,10 +1099,7 @@ fn shared_calls_that_would_change_a_cache_model_change_nothing_and_ask_for_exclu
             .unwrap();
         let before = load_state(&s);
         let replay = ReservationRequest::replay(&p, "m");
-        assert_eq!(
-            s.create_reservation_shared(&replay, now),
-            Ok(Shared::Exclusive)
-        );
+        assert_eq!(s.create_reservation_shared(&replay, now), Ok(None));
         assert_eq!(load_state(&s), before, "{policy:?}: nothing booked");
         assert_eq!(
             s.pending_stats().0,
@@ -1112,11 +1108,11 @@ fn shared_calls_that_would_change_a_cache_model_change_nothing_and_ask_for_exclu
         );
         s.create_reservation(&replay, now).unwrap();
         if policy == CachePolicy::Lru {
-            assert_eq!(s.free_shared("m"), Ok(Shared::Exclusive));
-            assert_eq!(s.output_block_shared("m", None, now), Ok(Shared::Exclusive));
+            assert_eq!(s.free_shared("m"), Ok(None));
+            assert_eq!(s.output_block_shared("m", None, now), Ok(None));
             assert!(s.load_tracker().booking("m").is_some(), "still booked");
         }
-        assert_eq!(s.prefill_complete_shared("m", now), Ok(Shared::Done(())));
+        assert_eq!(s.prefill_complete_shared("m", now), Ok(()));
         s.free("m").unwrap();
         assert!(s.load_tracker().is_empty());
     }
@@ -1129,10 +1125,7 @@ fn shared_calls_that_would_change_a_cache_model_change_nothing_and_ask_for_exclu
         prompt: Some(tokens_prompt(&prompt)),
         ..ReservationRequest::replay(&p, "x")
     };
-    assert_eq!(
-        s.create_reservation_shared(&explicit, now),
-        Ok(Shared::Exclusive)
-    );
+    assert_eq!(s.create_reservation_shared(&explicit, now), Ok(None));
     assert!(s.load_tracker().is_empty());
 }
 
@@ -1149,7 +1142,7 @@ fn concurrent_shared_replays_of_one_selection_book_once_and_the_others_find_no_e
             &id,
             now,
         ));
-        let outcomes: Vec<Result<Shared<Reservation>, Error>> = thread::scope(|scope| {
+        let outcomes: Vec<Result<Option<Reservation>, Error>> = thread::scope(|scope| {
             let handles: Vec<_> = (0..4)
                 .map(|_| {
                     scope.spawn(|| {
@@ -1161,10 +1154,7 @@ fn concurrent_shared_replays_of_one_selection_book_once_and_the_others_find_no_e
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
-        let booked = outcomes
-            .iter()
-            .filter(|o| matches!(o, Ok(Shared::Done(_))))
-            .count();
+        let booked = outcomes.iter().filter(|o| matches!(o, Ok(Some(_)))).count();
         assert_eq!(booked, 1, "iteration {iteration}: {outcomes:?}");
         for o in &outcomes {
             if let Err(e) = o {

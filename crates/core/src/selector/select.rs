@@ -1,0 +1,264 @@
+//! Selection: the candidates of a partition with their overlap and load, the cost of each, and
+//! the pick (SPEC §6); `select` caches what a replay will book, `select_and_reserve` books.
+
+use super::*;
+use crate::error::check_id;
+use crate::event::Rank;
+use crate::hash::PromptHashes;
+use crate::index::RankOverlap;
+use crate::load::Booking;
+use crate::pending::PendingKey;
+use crate::schedule::{Candidate, effective_prefill_tokens, pick};
+use std::sync::Arc;
+
+/// Ranks with a non-zero overlap, sorted by rank for lookups by binary search (cheaper than
+/// building a hash map of up to every rank on every select).
+pub(super) struct Overlaps(Vec<RankOverlap>);
+
+impl Overlaps {
+    pub(super) fn get(&self, rank: &Rank) -> Option<&RankOverlap> {
+        self.0
+            .binary_search_by_key(rank, |o| o.rank)
+            .ok()
+            .map(|i| &self.0[i])
+    }
+}
+
+impl Selector {
+    pub(super) fn candidates<'w>(
+        &self,
+        workers: &[&'w WorkerRecord],
+        overlaps: &Overlaps,
+        hashes: &PromptHashes,
+        block_size: u32,
+    ) -> Vec<(Candidate, &'w WorkerRecord)> {
+        let load = locked(&self.load);
+        let potential = load.potential_decode(&hashes.sequence, hashes.isl_tokens, block_size);
+        // One rank per worker is the common case.
+        let mut out = Vec::with_capacity(workers.len());
+        for &record in workers {
+            for dp_rank in record.spec.dp_ranks() {
+                let rank = Rank::new(record.spec.worker_id, dp_rank);
+                let overlap = overlaps.get(&rank);
+                let rank_load = load.rank_load(rank);
+                out.push((
+                    Candidate {
+                        rank,
+                        device_blocks: overlap.map_or(0, |o| o.device_blocks),
+                        host_blocks: overlap.map_or(0, |o| o.host_blocks),
+                        disk_blocks: overlap.map_or(0, |o| o.disk_blocks),
+                        active_prefill_tokens: rank_load.active_prefill_tokens,
+                        active_decode_blocks: rank_load.active_decode_blocks,
+                        potential_decode_blocks: potential.blocks(rank),
+                        active_requests: rank_load.active_requests,
+                        total_kv_blocks: record.spec.total_kv_blocks,
+                        max_num_batched_tokens: record.spec.max_num_batched_tokens,
+                    },
+                    record,
+                ));
+            }
+        }
+        out
+    }
+
+    pub(super) fn overlaps(p: &Partition, hashes: &PromptHashes) -> Overlaps {
+        let mut ranks = p.index.find_matches(&hashes.sequence).ranks;
+        ranks.sort_unstable_by_key(|o| o.rank);
+        Overlaps(ranks)
+    }
+
+    pub(super) fn compute_selection(
+        &self,
+        req: &SelectRequest<'_>,
+        rng: &mut impl Rng,
+    ) -> Result<Selection, Error> {
+        self.check_running()?;
+        if let Some(id) = req.selection_id {
+            check_id("selection_id", id)?;
+        }
+        let (p, workers) = self.schedulable_workers(req.partition)?;
+        let block_size = workers.first().and_then(|r| r.spec.block_size).unwrap_or(1);
+        let hashes = req.prompt.hash(block_size)?;
+        let config = self.config.scheduler.with(&req.overrides);
+
+        let eligible: Vec<&WorkerRecord> = match (req.pinned_worker, req.allowed_worker_ids) {
+            (Some(pin), _) => workers
+                .iter()
+                .copied()
+                .filter(|r| r.spec.worker_id == pin.worker_id)
+                .filter(|r| pin.dp_rank.is_none_or(|d| r.spec.dp_ranks().contains(&d)))
+                .collect(),
+            (None, Some(allowed)) => workers
+                .iter()
+                .copied()
+                .filter(|r| allowed.contains(&r.spec.worker_id))
+                .collect(),
+            (None, None) => workers,
+        };
+        if eligible.is_empty() {
+            return Err(Error::NoEndpointsAvailable);
+        }
+        let overlaps = Self::overlaps(p, &hashes);
+        let mut candidates = self.candidates(&eligible, &overlaps, &hashes, block_size);
+        if let Some(PinnedWorker {
+            dp_rank: Some(d), ..
+        }) = req.pinned_worker
+        {
+            candidates.retain(|(c, _)| c.rank.dp_rank == d);
+        }
+        let chosen = if req.pinned_worker.is_some() {
+            // Pinning bypasses scoring: the first (or named) rank of the pinned worker.
+            0
+        } else {
+            let free: Vec<usize> = (0..candidates.len())
+                .filter(|&i| !config.is_busy(&candidates[i].0))
+                .collect();
+            if free.is_empty() {
+                return Err(Error::AllWorkersBusy);
+            }
+            let costs: Vec<f64> = free
+                .iter()
+                .map(|&i| config.cost(&candidates[i].0, hashes.isl_tokens, block_size))
+                .collect();
+            free[pick(&costs, config.router_temperature, rng)]
+        };
+        let Some(&(candidate, record)) = candidates.get(chosen) else {
+            return Err(Error::NoEndpointsAvailable);
+        };
+        let bs = u64::from(block_size);
+        let credit = config.credit(
+            candidate.device_blocks,
+            candidate.host_blocks,
+            candidate.disk_blocks,
+        );
+        let dp = record
+            .spec
+            .dp_ranks()
+            .map(|d| {
+                let device = overlaps
+                    .get(&Rank::new(record.spec.worker_id, d))
+                    .map_or(0, |o| o.device_blocks);
+                (d, u64::from(device) * bs)
+            })
+            .collect();
+        let worker_load = req.advisory.then(|| WorkerLoad {
+            active_prefill_tokens: candidate.active_prefill_tokens,
+            prefill_token_capacity: record
+                .spec
+                .max_num_batched_tokens
+                .unwrap_or(UNKNOWN_PREFILL_CAPACITY),
+            total_kv_blocks: record.spec.total_kv_blocks,
+        });
+        Ok(Selection {
+            selection_id: req.selection_id.map(str::to_string),
+            partition: req.partition.clone(),
+            worker_id: record.spec.worker_id,
+            dp_rank: candidate.rank.dp_rank,
+            endpoint: record.spec.endpoint.clone().unwrap_or_default(),
+            block_size,
+            overlap: OverlapTokens {
+                longest_matched: u64::from(candidate.disk_blocks) * bs,
+                gpu: u64::from(candidate.device_blocks) * bs,
+                cpu: u64::from(candidate.host_blocks) * bs,
+                disk: u64::from(candidate.disk_blocks) * bs,
+                dp,
+            },
+            effective_prefill_tokens: effective_prefill_tokens(
+                hashes.isl_tokens,
+                block_size,
+                credit,
+            ),
+            potential_decode_blocks: candidate.potential_decode_blocks,
+            worker_load,
+            track_prefill_tokens: config.track_prefill_tokens,
+            local_hashes: Arc::from(hashes.local.as_slice()),
+            sequence_hashes: Arc::from(hashes.sequence.as_slice()),
+            isl_tokens: hashes.isl_tokens,
+        })
+    }
+
+    /// `POST /select`: picks a rank; books nothing. With a `selection_id` the booking inputs are
+    /// cached for a replay (a newer select with the same id replaces the entry).
+    pub fn select(
+        &self,
+        req: &SelectRequest<'_>,
+        now: Instant,
+        rng: &mut impl Rng,
+    ) -> Result<Selection, Error> {
+        let selection = self.compute_selection(req, rng)?;
+        if let Some(id) = req.selection_id {
+            let key = PendingKey::new(&req.partition.model_name, &req.partition.routing_group, id);
+            // Local and sequence hashes are both kept.
+            let bytes =
+                key.approximate_entry_bytes(2 * selection.sequence_hashes.len(), req.lora_name);
+            let entry = PendingSelection {
+                worker_id: selection.worker_id,
+                dp_rank: selection.dp_rank,
+                local_hashes: Arc::clone(&selection.local_hashes),
+                sequence_hashes: Arc::clone(&selection.sequence_hashes),
+                isl_tokens: selection.isl_tokens,
+                effective_prefill_tokens: selection.effective_prefill_tokens,
+                expected_output_tokens: req.expected_output_tokens,
+                track_prefill_tokens: selection.track_prefill_tokens,
+                lora_name: req.lora_name.map(str::to_string),
+            };
+            self.pending().insert(key, Arc::new(entry), bytes, now);
+        }
+        Ok(selection)
+    }
+
+    /// `POST /select_and_reserve`: selects and books atomically under `reservation_id` (or the
+    /// request's selection id, or a generated UUID). Never touches the pending cache.
+    pub fn select_and_reserve(
+        &mut self,
+        req: &SelectRequest<'_>,
+        reservation_id: Option<&str>,
+        now: Instant,
+        rng: &mut impl Rng,
+    ) -> Result<(Selection, Reservation), Error> {
+        for (field, value) in [
+            ("reservation_id", reservation_id),
+            ("selection_id", req.selection_id),
+        ] {
+            if let Some(v) = value {
+                sync::check_booking_id(field, v)?;
+            }
+        }
+        let mut selection = self.compute_selection(req, rng)?;
+        let id = reservation_id
+            .or(req.selection_id)
+            .map(str::to_string)
+            .unwrap_or_else(|| random_uuid(rng));
+        exclusive(&mut self.load).book(
+            Booking {
+                reservation_id: id.clone(),
+                rank: Rank::new(selection.worker_id, selection.dp_rank),
+                block_size: selection.block_size,
+                sequence_hashes: Arc::clone(&selection.sequence_hashes),
+                isl_tokens: selection.isl_tokens,
+                effective_prefill_tokens: selection.effective_prefill_tokens,
+                expected_output_tokens: req.expected_output_tokens,
+                track_prefill_tokens: selection.track_prefill_tokens,
+            },
+            now,
+        )?;
+        self.model_booking(
+            &id,
+            Rank::new(selection.worker_id, selection.dp_rank),
+            &selection.local_hashes,
+            &selection.sequence_hashes,
+            selection.isl_tokens,
+            now,
+        );
+        selection.selection_id = Some(id.clone());
+        let reservation = Reservation {
+            reservation_id: id.clone(),
+            selection_id: Some(id),
+            partition: req.partition.clone(),
+            worker_id: selection.worker_id,
+            dp_rank: selection.dp_rank,
+            endpoint: selection.endpoint.clone(),
+        };
+        Ok((selection, reservation))
+    }
+}

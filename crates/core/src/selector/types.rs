@@ -1,0 +1,354 @@
+//! The selector's request and reply types: what the edges build from a request body and turn
+//! back into a response. Plain data; the behaviour lives in the sibling modules.
+
+use crate::approx::LruStats;
+use crate::error::{Error, PartitionKey};
+use crate::event::{KvEvent, Rank, WorkerId};
+use crate::hash::{PromptHashes, seed_for};
+use crate::schedule::Overrides;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct WorkerSpec {
+    pub worker_id: WorkerId,
+    pub model_name: String,
+    pub routing_group: String,
+    pub endpoint: Option<String>,
+    pub block_size: Option<u32>,
+    pub data_parallel_start_rank: Option<u32>,
+    pub data_parallel_size: Option<u32>,
+    pub total_kv_blocks: Option<u64>,
+    pub max_num_batched_tokens: Option<u64>,
+    pub kv_events_endpoint: Option<String>,
+    /// Global dp rank → ZMQ address.
+    pub kv_events_endpoints: BTreeMap<u32, String>,
+    pub replay_endpoint: Option<String>,
+}
+
+impl WorkerSpec {
+    pub fn partition(&self) -> PartitionKey {
+        PartitionKey::new(&self.model_name, &self.routing_group)
+    }
+
+    pub fn dp_start(&self) -> u32 {
+        self.data_parallel_start_rank.unwrap_or(0)
+    }
+
+    pub fn dp_size(&self) -> u32 {
+        self.data_parallel_size.unwrap_or(1)
+    }
+
+    /// The worker's dp ranks.
+    pub fn dp_ranks(&self) -> std::ops::Range<u32> {
+        let start = self.dp_start();
+        start..start.saturating_add(self.dp_size())
+    }
+
+    /// The KV-event endpoint of each rank that publishes events.
+    pub fn event_endpoints(&self) -> Vec<(u32, String)> {
+        if !self.kv_events_endpoints.is_empty() {
+            return self
+                .kv_events_endpoints
+                .iter()
+                .map(|(&r, a)| (r, a.clone()))
+                .collect();
+        }
+        match &self.kv_events_endpoint {
+            Some(addr) if !addr.is_empty() => vec![(self.dp_start(), addr.clone())],
+            _ => Vec::new(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lifecycle {
+    Schedulable,
+    Incomplete,
+    Unschedulable,
+}
+
+impl Lifecycle {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Lifecycle::Schedulable => "schedulable",
+            Lifecycle::Incomplete => "incomplete",
+            Lifecycle::Unschedulable => "unschedulable",
+        }
+    }
+}
+
+/// A catalog record: the spec plus whether the worker can take work, and why not.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerRecord {
+    pub spec: WorkerSpec,
+    pub lifecycle: Lifecycle,
+    pub not_schedulable_reasons: Vec<String>,
+}
+
+/// What an upsert changed, so the edge can (re)start or stop KV-event listeners.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UpsertOutcome {
+    pub record: WorkerRecord,
+    /// The worker's event endpoints, ranks, partition or lifecycle changed (or it is new): its
+    /// listeners must be restarted and its index entries were dropped.
+    pub events_changed: bool,
+}
+
+/// A prompt as a request carries it.
+#[derive(Debug, Clone, Copy)]
+pub enum Prompt<'a> {
+    /// Token ids, hashed with the partition's (or worker's) block size.
+    Tokens {
+        tokens: &'a [u32],
+        lora_name: Option<&'a str>,
+        cache_salt: Option<&'a str>,
+    },
+    /// Already hashed (by the client, or by the edge before taking the lock).
+    Hashes(&'a PromptHashes),
+}
+
+impl Prompt<'_> {
+    pub(super) fn hash(
+        &self,
+        block_size: u32,
+    ) -> Result<std::borrow::Cow<'_, PromptHashes>, Error> {
+        match *self {
+            Prompt::Tokens {
+                tokens,
+                lora_name,
+                cache_salt,
+            } => {
+                if tokens.is_empty() {
+                    return Err(Error::EmptyTokenIds);
+                }
+                Ok(std::borrow::Cow::Owned(PromptHashes::from_tokens(
+                    tokens,
+                    block_size as usize,
+                    seed_for(lora_name, cache_salt),
+                )))
+            }
+            Prompt::Hashes(h) => {
+                validate_hashes(h)?;
+                Ok(std::borrow::Cow::Borrowed(h))
+            }
+        }
+    }
+}
+
+/// Checks client-supplied hashes: equal lengths, `isl_tokens > 0`.
+pub fn validate_hashes(h: &PromptHashes) -> Result<(), Error> {
+    if h.local.len() != h.sequence.len() {
+        return Err(Error::HashLengthMismatch {
+            block_hashes: h.local.len(),
+            sequence_hashes: h.sequence.len(),
+        });
+    }
+    if h.isl_tokens == 0 {
+        return Err(Error::ZeroIsl);
+    }
+    Ok(())
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PinnedWorker {
+    pub worker_id: WorkerId,
+    pub dp_rank: Option<u32>,
+}
+
+/// `POST /select` (and the selection half of `select_and_reserve`).
+#[derive(Debug, Clone, Copy)]
+pub struct SelectRequest<'a> {
+    pub partition: &'a PartitionKey,
+    pub selection_id: Option<&'a str>,
+    pub prompt: Prompt<'a>,
+    /// The LoRA adapter, remembered with a cached selection.
+    pub lora_name: Option<&'a str>,
+    pub expected_output_tokens: Option<u64>,
+    pub overrides: Overrides,
+    pub pinned_worker: Option<PinnedWorker>,
+    pub allowed_worker_ids: Option<&'a [WorkerId]>,
+    pub advisory: bool,
+}
+
+impl<'a> SelectRequest<'a> {
+    pub fn new(partition: &'a PartitionKey, prompt: Prompt<'a>) -> Self {
+        Self {
+            partition,
+            selection_id: None,
+            prompt,
+            lora_name: None,
+            expected_output_tokens: None,
+            overrides: Overrides::default(),
+            pinned_worker: None,
+            allowed_worker_ids: None,
+            advisory: false,
+        }
+    }
+}
+
+/// The chosen rank's overlap, in tokens, per cumulative tier.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct OverlapTokens {
+    pub longest_matched: u64,
+    pub gpu: u64,
+    pub cpu: u64,
+    pub disk: u64,
+    /// Device overlap tokens of every rank of the chosen worker.
+    pub dp: Vec<(u32, u64)>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkerLoad {
+    pub active_prefill_tokens: u64,
+    pub prefill_token_capacity: u64,
+    pub total_kv_blocks: Option<u64>,
+}
+
+/// The answer of `select`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Selection {
+    pub selection_id: Option<String>,
+    pub partition: PartitionKey,
+    pub worker_id: WorkerId,
+    pub dp_rank: u32,
+    pub endpoint: String,
+    pub block_size: u32,
+    pub overlap: OverlapTokens,
+    pub effective_prefill_tokens: u64,
+    pub potential_decode_blocks: u64,
+    pub worker_load: Option<WorkerLoad>,
+    /// Whether a booking of this selection tracks prefill tokens.
+    pub track_prefill_tokens: bool,
+    pub local_hashes: Arc<[u64]>,
+    pub sequence_hashes: Arc<[u64]>,
+    pub isl_tokens: u64,
+}
+
+/// What a selection caches for its replay (SPEC §7.2).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PendingSelection {
+    pub worker_id: WorkerId,
+    pub dp_rank: u32,
+    /// Local hashes, needed to predict the cache of a rank without KV events.
+    pub local_hashes: Arc<[u64]>,
+    pub sequence_hashes: Arc<[u64]>,
+    pub isl_tokens: u64,
+    pub effective_prefill_tokens: u64,
+    pub expected_output_tokens: Option<u64>,
+    pub track_prefill_tokens: bool,
+    pub lora_name: Option<String>,
+}
+
+/// `POST /reservations`.
+#[derive(Debug, Clone, Copy)]
+pub struct ReservationRequest<'a> {
+    pub partition: &'a PartitionKey,
+    pub selection_id: Option<&'a str>,
+    pub reservation_id: Option<&'a str>,
+    pub worker_id: Option<WorkerId>,
+    pub dp_rank: Option<u32>,
+    pub prompt: Option<Prompt<'a>>,
+    pub effective_prefill_tokens: Option<u64>,
+    pub expected_output_tokens: Option<u64>,
+    pub track_prefill_tokens: Option<bool>,
+    pub overrides: Overrides,
+}
+
+impl<'a> ReservationRequest<'a> {
+    /// A replay of the selection cached under `selection_id`.
+    pub fn replay(partition: &'a PartitionKey, selection_id: &'a str) -> Self {
+        Self {
+            partition,
+            selection_id: Some(selection_id),
+            reservation_id: None,
+            worker_id: None,
+            dp_rank: None,
+            prompt: None,
+            effective_prefill_tokens: None,
+            expected_output_tokens: None,
+            track_prefill_tokens: None,
+            overrides: Overrides::default(),
+        }
+    }
+}
+
+/// A booking that landed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reservation {
+    pub reservation_id: String,
+    pub selection_id: Option<String>,
+    pub partition: PartitionKey,
+    pub worker_id: WorkerId,
+    pub dp_rank: u32,
+    pub endpoint: String,
+}
+
+/// One rank's load as `/loads` reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RankLoadReport {
+    pub worker_id: WorkerId,
+    pub dp_rank: u32,
+    pub potential_prefill_tokens: u64,
+    pub potential_decode_blocks: u64,
+    pub active_requests: u64,
+    /// How the rank's cache is known (in `/loads` only).
+    pub cache_model: Option<CacheModelReport>,
+}
+
+/// How a rank's cache is known: from its engine's KV events, or predicted (SPEC §9).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheModelReport {
+    /// The engine's KV events feed the index.
+    Events,
+    /// The TTL model predicts it; `blocks` are currently predicted.
+    Ttl { blocks: u64 },
+    /// The capacity-bounded LRU model predicts it.
+    Lru(LruStats),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartitionLoads {
+    pub partition: PartitionKey,
+    pub loads: Vec<RankLoadReport>,
+    /// Requests queued by the router. kvroute never queues (busy ranks answer 429), so 0.
+    pub pending_count: u64,
+    pub pending_isl_tokens: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RankOverlapScore {
+    pub worker_id: WorkerId,
+    pub dp_rank: u32,
+    pub device_blocks: u32,
+    pub host_pinned_blocks: u32,
+    pub disk_blocks: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OverlapScores {
+    pub block_size: u32,
+    pub num_blocks: usize,
+    pub workers: Vec<RankOverlapScore>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReadyState {
+    pub ready: bool,
+    pub schedulable_workers: usize,
+    pub workers: Vec<WorkerRecord>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartitionDump {
+    pub partition: PartitionKey,
+    pub block_size: Option<u32>,
+    pub events: Vec<(Rank, KvEvent)>,
+}
+
+/// What a periodic [`Selector::tick`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TickOutcome {
+    pub expired_reservations: Vec<String>,
+    pub expired_selections: usize,
+}
