@@ -2,7 +2,7 @@
 //! that predict the cache of ranks without events from the selector's own bookings.
 
 use super::{CacheModelReport, Lifecycle, Selector, WorkerRecord, WorkerSpec, exclusive, locked};
-use crate::approx::{ApproxError, RankModel, rank_model};
+use crate::approx::{ApproxError, LruModel, RankModel, rank_model};
 use crate::error::PartitionKey;
 use crate::event::{KvEvent, Rank, WorkerId};
 use crate::index::ApplyOutcome;
@@ -103,33 +103,21 @@ impl Selector {
         let block_size = u64::from(record.spec.block_size.unwrap_or(1).max(1));
         let partial = !isl_tokens.is_multiple_of(block_size);
         if let RankModel::Lru { .. } = model {
-            let mut attempt = exclusive(&mut self.lru).acquire(
-                rank,
-                reservation_id,
-                local_hashes,
-                sequence_hashes,
-                partial,
-                now,
-            );
-            if let Err(ApproxError::LeaseExists { .. }) = attempt {
-                // A lease outlived its booking (the id was freed and booked again): start over.
-                if let Some(released) = exclusive(&mut self.lru).release(reservation_id) {
-                    let lease_partition = self
-                        .workers
-                        .get(&released.rank.worker_id)
-                        .map(|r| r.spec.partition());
-                    if let Some(lp) = lease_partition {
-                        self.apply_model_events(&lp, released.rank, &released.events);
-                    }
-                }
-                attempt = exclusive(&mut self.lru).acquire(
+            let acquire = |lru: &mut LruModel| {
+                lru.acquire(
                     rank,
                     reservation_id,
                     local_hashes,
                     sequence_hashes,
                     partial,
                     now,
-                );
+                )
+            };
+            let mut attempt = acquire(exclusive(&mut self.lru));
+            if let Err(ApproxError::LeaseExists { .. }) = attempt {
+                // A lease outlived its booking (the id was freed and booked again): start over.
+                self.release_lease(reservation_id);
+                attempt = acquire(exclusive(&mut self.lru));
             }
             match attempt {
                 Ok(acquired) => {
@@ -152,26 +140,25 @@ impl Selector {
     /// Ends a request's lease in the LRU model (free, expiry, worker deletion).
     pub(super) fn release_lease(&mut self, reservation_id: &str) {
         if let Some(released) = exclusive(&mut self.lru).release(reservation_id) {
-            let partition = self
-                .workers
-                .get(&released.rank.worker_id)
-                .map(|r| r.spec.partition());
-            if let Some(p) = partition {
-                self.apply_model_events(&p, released.rank, &released.events);
-            }
+            self.apply_rank_events(released.rank, &released.events);
+        }
+    }
+
+    /// Applies a model's events of one rank to the partition of the rank's worker.
+    pub(super) fn apply_rank_events(&mut self, rank: Rank, events: &[KvEvent]) {
+        let partition = self
+            .workers
+            .get(&rank.worker_id)
+            .map(|r| r.spec.partition());
+        if let Some(p) = partition {
+            self.apply_model_events(&p, rank, events);
         }
     }
 
     /// Applies `(rank, event)` pairs from a model-wide operation to each rank's partition.
     pub(super) fn apply_ranked_events(&mut self, events: &[(Rank, KvEvent)]) {
         for (rank, event) in events {
-            let partition = self
-                .workers
-                .get(&rank.worker_id)
-                .map(|r| r.spec.partition());
-            if let Some(p) = partition {
-                self.apply_model_events(&p, *rank, std::slice::from_ref(event));
-            }
+            self.apply_rank_events(*rank, std::slice::from_ref(event));
         }
     }
 

@@ -10,9 +10,10 @@
 
 use super::{Lifecycle, PendingSelection, Reservation, ReservationRequest, WorkerRecord};
 use super::{Selector, exclusive, locked, sync};
+use crate::approx::LruModel;
 use crate::error::{Error, PartitionKey};
 use crate::event::{Rank, WorkerId};
-use crate::load::Booking;
+use crate::load::{Booking, LoadTracker};
 use crate::pending::PendingKey;
 use crate::schedule::effective_prefill_tokens;
 use std::sync::Arc;
@@ -364,13 +365,7 @@ impl Selector {
         sync::check_booking_id("reservation_id", reservation_id)?;
         exclusive(&mut self.load).output_block(reservation_id, decay_fraction, now)?;
         if let Some(lease) = exclusive(&mut self.lru).materialize(reservation_id, now) {
-            let partition = self
-                .workers
-                .get(&lease.rank.worker_id)
-                .map(|r| r.spec.partition());
-            if let Some(p) = partition {
-                self.apply_model_events(&p, lease.rank, &lease.events);
-            }
+            self.apply_rank_events(lease.rank, &lease.events);
         }
         Ok(())
     }
@@ -405,22 +400,32 @@ impl Selector {
         decay_fraction: Option<f64>,
         now: Instant,
     ) -> Result<Option<()>, Error> {
-        self.check_running()?;
-        sync::check_booking_id("reservation_id", reservation_id)?;
-        let mut load = locked(&self.load);
-        let mut lru = locked(&self.lru);
-        if lru.lease(reservation_id).is_some() {
-            return Ok(None);
-        }
-        load.output_block(reservation_id, decay_fraction, now)?;
-        // No lease: counted as an ignored command, as the exclusive call does.
-        let _ = lru.materialize(reservation_id, now);
-        Ok(Some(()))
+        self.unleased(reservation_id, |load, lru| {
+            load.output_block(reservation_id, decay_fraction, now)?;
+            // No lease: counted as an ignored command, as the exclusive call does.
+            let _ = lru.materialize(reservation_id, now);
+            Ok(())
+        })
     }
 
     /// [`LifecycleCalls::free`] under the shared lock; `None` for a booking the LRU model
     /// holds a lease for (its release evicts modelled blocks).
     pub(super) fn free_shared(&self, reservation_id: &str) -> Result<Option<()>, Error> {
+        self.unleased(reservation_id, |load, lru| {
+            load.free(reservation_id)?;
+            // No lease: counted as an ignored command, as the exclusive call does.
+            let _ = lru.release(reservation_id);
+            Ok(())
+        })
+    }
+
+    /// Runs `call` on the load tracker and the LRU model (locked in that order) unless the LRU
+    /// model holds a lease for the booking: then `None`, having changed nothing.
+    fn unleased(
+        &self,
+        reservation_id: &str,
+        call: impl FnOnce(&mut LoadTracker, &mut LruModel) -> Result<(), Error>,
+    ) -> Result<Option<()>, Error> {
         self.check_running()?;
         sync::check_booking_id("reservation_id", reservation_id)?;
         let mut load = locked(&self.load);
@@ -428,9 +433,6 @@ impl Selector {
         if lru.lease(reservation_id).is_some() {
             return Ok(None);
         }
-        load.free(reservation_id)?;
-        // No lease: counted as an ignored command, as the exclusive call does.
-        let _ = lru.release(reservation_id);
-        Ok(Some(()))
+        call(&mut load, &mut lru).map(Some)
     }
 }
