@@ -29,6 +29,7 @@ cargo test --workspace --all-targets --locked
 echo "== scripts/test.sh: Rust tests passed at ${SECONDS} s"
 cargo test --workspace --doc --locked
 echo "== scripts/test.sh: doc tests passed at ${SECONDS} s"
+bash scripts/readme_example.sh # the README's "Try it", verbatim, on target/debug/kvroute
 
 if ! wait "$pip_pid"; then
     echo "installing the Python test dependencies (maturin, pytest, ...) failed" >&2
