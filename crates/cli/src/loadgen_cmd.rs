@@ -11,12 +11,12 @@ use clap::{Args, ValueEnum};
 use hashbrown::HashMap;
 use hashbrown::hash_map::Entry;
 use kvroute_core::hash::{BASE_SEED, PromptHashes};
-use kvroute_service::client::HttpClient;
 use kvroute_service::courtesy;
-use kvroute_service::fake_engine::{
+use kvroute_service::ingest::{idle_current_thread, lower_current_thread_priority};
+use kvroute_testkit::client::HttpClient;
+use kvroute_testkit::fake_engine::{
     FakeEngine, StoredBlocks, removed_event, stored_event_packed, stored_event_with_hashes,
 };
-use kvroute_service::ingest::{idle_current_thread, lower_current_thread_priority};
 use kvroute_wire::{Encoding, PackedRun, PackedTokens, RawEvent};
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -517,7 +517,7 @@ mod tests {
     /// pool lacks from its first missing block on, and evicts the oldest past the capacity.
     #[tokio::test]
     async fn fake_engine_pools_store_and_evict_as_a_fifo_does() {
-        let engine = kvroute_service::fake_engine::FakeEngine::bind(
+        let engine = kvroute_testkit::fake_engine::FakeEngine::bind(
             "tcp://127.0.0.1:0",
             None,
             kvroute_wire::Encoding::Array,

@@ -6,7 +6,7 @@
 #[path = "../../service/tests/common/nats.rs"]
 mod nats;
 
-use kvroute_service::client::HttpClient;
+use kvroute_testkit::client::HttpClient;
 use nats::{Nats, free_port};
 use serde_json::{Value, json};
 use std::net::SocketAddr;

@@ -97,12 +97,12 @@ pub fn error_of(reply: &Reply) -> &str {
 }
 
 /// A keep-alive client that panics on transport errors (tests only).
-pub struct RawClient(kvroute_service::client::HttpClient);
+pub struct RawClient(kvroute_testkit::client::HttpClient);
 
 impl RawClient {
     pub async fn connect(addr: std::net::SocketAddr) -> Self {
         Self(
-            kvroute_service::client::HttpClient::connect(addr)
+            kvroute_testkit::client::HttpClient::connect(addr)
                 .await
                 .expect("connect"),
         )

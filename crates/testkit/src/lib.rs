@@ -1,0 +1,17 @@
+//! # kvroute-testkit
+//!
+//! Stand-ins for what surrounds a kvroute deployment, for the tests, the demos and the load
+//! generator: engines that publish KV events, a client that sends requests. None of it is part of
+//! the router; it lives here so that `kvroute-service` ships only the service, and so that the
+//! service's tests, the `kvroute` binary's `fake-engine` and `loadgen` commands and their tests
+//! all drive the service with the same doubles.
+//!
+//! - [`fake_engine`]: a vLLM-like KV-event publisher over real ZeroMQ (PUB and replay ROUTER
+//!   sockets), with faults to inject, and the JSONL scripts of `kvroute fake-engine`.
+//! - [`client`]: a minimal keep-alive HTTP/1.1 client (the load generator, real-socket tests).
+//!
+//! The dependencies go one way: this crate uses `kvroute-wire` and `kvroute-core`; the service
+//! depends on it only for its tests.
+
+pub mod client;
+pub mod fake_engine;
