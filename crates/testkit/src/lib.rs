@@ -8,10 +8,16 @@
 //!
 //! - [`fake_engine`]: a vLLM-like KV-event publisher over real ZeroMQ (PUB and replay ROUTER
 //!   sockets), with faults to inject, and the JSONL scripts of `kvroute fake-engine`.
+//! - [`fleet`]: one fake engine per worker, each with a bounded KV pool that stores and evicts
+//!   like a real one (`kvroute loadgen --events-base-port`).
 //! - [`client`]: a minimal keep-alive HTTP/1.1 client (the load generator, real-socket tests).
+//! - [`trace`]: prompts expanded from a Mooncake trace's hash ids (`kvroute loadgen --trace`).
 //!
-//! The dependencies go one way: this crate uses `kvroute-wire` and `kvroute-core`; the service
-//! depends on it only for its tests.
+//! The dependencies go one way: this crate uses `kvroute-service` (its CPU courtesy for
+//! background threads), `kvroute-wire` and `kvroute-core`; the service depends on it only for
+//! its tests.
 
 pub mod client;
 pub mod fake_engine;
+pub mod fleet;
+pub mod trace;
