@@ -3,7 +3,7 @@
 //! (made with kvroute's own HTTP client).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[path = "../../service/tests/common/nats.rs"]
+#[path = "../../service/tests/service/common/nats.rs"]
 mod nats;
 
 use kvroute_testkit::client::HttpClient;

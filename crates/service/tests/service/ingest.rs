@@ -1,11 +1,8 @@
 //! Live KV-event ingest over real ZeroMQ sockets on 127.0.0.1: a [`FakeEngine`] publishes, the
 //! service's listeners (started by `POST /workers`) apply, and the selector's overlap scores show
 //! the result. Every wait polls with a deadline.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
-use common::TestApp;
+use crate::common::TestApp;
 use kvroute_core::error::PartitionKey;
 use kvroute_core::event::KvEvent;
 use kvroute_core::selector::{Prompt, Selector, WorkerSpec};

@@ -1,5 +1,8 @@
-//! Shared helpers of the service's integration tests: an in-process app driven with `oneshot`.
+//! Shared helpers of the service's integration tests: an in-process app driven with `oneshot`,
+//! a panicking keep-alive client, and a `nats-server` of a test's own ([`nats`]).
 #![allow(dead_code)]
+
+pub mod nats;
 
 use axum::body::Body;
 use axum::http::{Method, Request, StatusCode};
