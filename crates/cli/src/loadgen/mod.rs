@@ -9,7 +9,7 @@
 //!
 //! - [`args`]: the flags.
 //! - [`prompts`]: the prompts, and what is computed from them before the run.
-//! - [`run`]: registration, the fake engines ([`kvroute_testkit::fleet`]) and the closed loop.
+//! - [`mod@run`]: registration, the fake engines ([`kvroute_testkit::fleet`]) and the closed loop.
 //! - [`report`]: the samples, the JSON report and the table.
 
 mod args;
