@@ -3,7 +3,7 @@
 //! `kvroute serve`.
 //!
 //! Each line of `--events FILE.jsonl` is one event, published as one batch (format:
-//! [`kvroute_service::fake_engine::ScriptEvent`]):
+//! [`kvroute_testkit::fake_engine::ScriptEvent`]):
 //! ```json
 //! {"type": "stored", "token_ids": [1, 2, 3, 4], "parent": null, "medium": "GPU"}
 //! {"type": "removed", "token_ids": [1, 2, 3, 4]}
@@ -14,7 +14,7 @@
 //! prompts sharing prefixes by group. Publishing is bounded by `--max-batches` and `--duration`.
 
 use clap::{Args, ValueEnum};
-use kvroute_service::fake_engine::{
+use kvroute_testkit::fake_engine::{
     FakeEngine, ScriptEvent, StoredBlocks, SyntheticPrompts, stored_event,
 };
 use kvroute_wire::{Encoding, RawEvent};

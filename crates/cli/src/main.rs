@@ -3,7 +3,7 @@
 
 mod fake_engine_cmd;
 mod hash_cmd;
-mod loadgen_cmd;
+mod loadgen;
 mod serve_cmd;
 mod sim_cmd;
 
@@ -33,7 +33,7 @@ enum Command {
     /// Run the HTTP selection service (Dynamo-compatible API) on 127.0.0.1:8000 by default.
     Serve(kvroute_service::ServeConfig),
     /// Drive a selection service (kvroute or Dynamo's) in a closed loop and report latency.
-    Loadgen(loadgen_cmd::LoadgenArgs),
+    Loadgen(loadgen::LoadgenArgs),
     /// Publish KV events like a vLLM engine (ZMQ PUB on 127.0.0.1:5557 by default), for demos.
     FakeEngine(fake_engine_cmd::FakeEngineArgs),
     /// Simulate a fleet: replay a trace (or a synthetic workload) under several routing policies
@@ -54,7 +54,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Hash(args) => hash_cmd::run(&args),
-        Command::Loadgen(args) => loadgen_cmd::run(args),
+        Command::Loadgen(args) => loadgen::run(args),
         Command::Serve(config) => {
             init_logging();
             serve_cmd::run(config)

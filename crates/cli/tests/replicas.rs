@@ -3,10 +3,10 @@
 //! (made with kvroute's own HTTP client).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[path = "../../service/tests/common/nats.rs"]
+#[path = "../../service/tests/service/common/nats.rs"]
 mod nats;
 
-use kvroute_service::client::HttpClient;
+use kvroute_testkit::client::HttpClient;
 use nats::{Nats, free_port};
 use serde_json::{Value, json};
 use std::net::SocketAddr;

@@ -1,5 +1,5 @@
 """Shared helpers: the same workers, prompts and event injection as the HTTP tests
-(crates/service/tests/http.rs)."""
+(crates/service/tests/service/http.rs)."""
 
 from __future__ import annotations
 

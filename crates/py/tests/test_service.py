@@ -1,7 +1,7 @@
 """kvroute.SelectionService scenario for scenario with the HTTP integration tests
-(crates/service/tests/http.rs): the full flow, every error row of SPEC §7.4 with its status and
-exact message, bad input, shutdown — plus what only Python has (concurrent asyncio replays,
-configuration keywords, Dynamo's call surface)."""
+(crates/service/tests/service/http.rs): the full flow, every error row of SPEC §7.4 with its
+status and exact message, bad input, shutdown — plus what only Python has (concurrent asyncio
+replays, configuration keywords, Dynamo's call surface)."""
 
 from __future__ import annotations
 

@@ -2,12 +2,13 @@
 //!
 //! The async edge of kvroute: the HTTP selection service (`kvroute serve`, wire-compatible with
 //! Dynamo's runtime-free selection service, SPEC §7), the live KV-event ingest from engines over
-//! ZeroMQ (SPEC §3.1), and Prometheus metrics (SPEC §12). It is the only crate with tokio, axum
-//! and sockets; all routing decisions are made by [`kvroute_core::selector::Selector`], which
-//! this crate wraps in one lock ([`state::AppState`]).
+//! ZeroMQ (SPEC §3.1), and Prometheus metrics (SPEC §12). It is the only library of the router
+//! with tokio, axum and sockets; all routing decisions are made by
+//! [`kvroute_core::selector::Selector`], which this crate wraps in one lock
+//! ([`state::AppState`]). The fake engine and the HTTP client of the tests and the load
+//! generator are in `kvroute-testkit`.
 //!
 //! - [`api`]: the service's operations, transport-free (HTTP and Python call them).
-//! - [`client`]: a minimal keep-alive HTTP/1.1 client (load generator, tests).
 //! - [`courtesy`]: background threads yield the CPU after each stretch of work.
 //! - [`config`]: every knob as a CLI flag and a `KVROUTE_*` environment variable, validated.
 //! - [`http`]: routes, JSON request/response types, the one error → response mapping.
@@ -19,10 +20,8 @@
 #![deny(unsafe_code)]
 
 pub mod api;
-pub mod client;
 pub mod config;
 pub mod courtesy;
-pub mod fake_engine;
 pub mod http;
 pub mod ingest;
 pub mod metrics;

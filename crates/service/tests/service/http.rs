@@ -1,12 +1,9 @@
 //! The HTTP selection service end to end: the select → reserve → lifecycle flow, every error row
 //! of SPEC §7.4 with its exact status and body, bad input, authentication, limits, shutdown, and
 //! a bounded load test over a real socket on 127.0.0.1.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
+use crate::common::{RawClient, TestApp, error_of, rss_bytes};
 use axum::http::{Method, StatusCode};
-use common::{RawClient, TestApp, error_of, rss_bytes};
 use kvroute_core::event::{KvEvent, StoredBlock, Tier};
 use kvroute_core::hash::{BASE_SEED, PromptHashes};
 use kvroute_service::{AppState, ServeConfig};

@@ -3,12 +3,9 @@
 //! against kvroute in order. kvroute must answer with the same status and a body with at least
 //! the same fields of the same JSON types — except where SPEC §7.8 (or the issue) makes kvroute
 //! differ on purpose; those exchanges are listed in `DEVIATIONS` with the reason.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
+use crate::common::TestApp;
 use axum::http::Method;
-use common::TestApp;
 use serde_json::Value;
 use std::path::PathBuf;
 

@@ -20,7 +20,7 @@
 //! new subscriber misses what is published before its subscription reaches the engine; use
 //! [`FakeEngine::wait_for_subscribers`] or a replay socket.
 
-use crate::ingest::zmq_message;
+use bytes::Bytes;
 use futures::StreamExt;
 use kvroute_core::hash::{local_hashes, seed_for, sequence_hashes_from};
 use kvroute_wire::frames;
@@ -34,7 +34,9 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::task::JoinHandle;
-use zeromq::{PubSocket, RouterSocket, Socket, SocketEvent, SocketRecv, SocketSend, ZmqError};
+use zeromq::{
+    PubSocket, RouterSocket, Socket, SocketEvent, SocketRecv, SocketSend, ZmqError, ZmqMessage,
+};
 
 /// vLLM's default number of batches kept for replay.
 pub const DEFAULT_REPLAY_CAPACITY: usize = 10_000;
@@ -196,6 +198,11 @@ pub fn removed_event(block_hashes: &[u64], medium: Option<&str>) -> RawEvent {
         medium: Some(medium.unwrap_or("GPU").to_string()),
         group_idx: None,
     })
+}
+
+/// A ZeroMQ message of these frames; `None` without frames.
+fn zmq_message(frames: Vec<Vec<u8>>) -> Option<ZmqMessage> {
+    ZmqMessage::try_from(frames.into_iter().map(Bytes::from).collect::<Vec<_>>()).ok()
 }
 
 fn now_secs() -> f64 {

@@ -2,20 +2,15 @@
 //! own server on 127.0.0.1 with a free port and a temporary JetStream store, and kills it at the
 //! end. The server is the Debian package's binary: `KVROUTE_NATS_SERVER`, else `nats-server` on
 //! the PATH, else `/usr/sbin/nats-server`; without one the tests fail and say how to install it.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-#[path = "common/nats.rs"]
-mod nats;
-
-use common::TestApp;
+use crate::common::TestApp;
+use crate::common::nats::Nats;
 use kvroute_core::error::PartitionKey;
 use kvroute_core::selector::Prompt;
-use kvroute_service::fake_engine::FakeEngine;
 use kvroute_service::sync::{self, SyncTasks};
 use kvroute_service::{AppState, ServeConfig};
+use kvroute_testkit::fake_engine::FakeEngine;
 use kvroute_wire::Encoding;
-use nats::Nats;
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};

@@ -1,20 +1,17 @@
 //! Live KV-event ingest over real ZeroMQ sockets on 127.0.0.1: a [`FakeEngine`] publishes, the
 //! service's listeners (started by `POST /workers`) apply, and the selector's overlap scores show
 //! the result. Every wait polls with a deadline.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
-use common::TestApp;
+use crate::common::TestApp;
 use kvroute_core::error::PartitionKey;
 use kvroute_core::event::KvEvent;
 use kvroute_core::selector::{Prompt, Selector, WorkerSpec};
 use kvroute_service::AppState;
-use kvroute_service::fake_engine::{
-    FakeEngine, ReplayLayout, ReplayMode, StoredBlocks, stored_event,
-};
 use kvroute_service::ingest::{EventSink, IngestConfig, IngestManager, ListenerState};
 use kvroute_service::metrics::Metrics;
+use kvroute_testkit::fake_engine::{
+    FakeEngine, ReplayLayout, ReplayMode, StoredBlocks, stored_event,
+};
 use kvroute_wire::frames;
 use kvroute_wire::{EncodeOptions, Encoding, EventBatch, RawEvent, RawStored, encode_batch};
 use parking_lot::RwLock;
@@ -880,7 +877,7 @@ async fn full_flow_with_three_fake_engines_over_http() {
         (&json!(0), &json!(0))
     );
     // The engine evicts: the overlap follows.
-    let hashes = kvroute_service::fake_engine::engine_block_hashes(
+    let hashes = kvroute_testkit::fake_engine::engine_block_hashes(
         None,
         &prompt[..3 * BLOCK as usize],
         BLOCK,

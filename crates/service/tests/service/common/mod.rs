@@ -1,5 +1,8 @@
-//! Shared helpers of the service's integration tests: an in-process app driven with `oneshot`.
+//! Shared helpers of the service's integration tests: an in-process app driven with `oneshot`,
+//! a panicking keep-alive client, and a `nats-server` of a test's own ([`nats`]).
 #![allow(dead_code)]
+
+pub mod nats;
 
 use axum::body::Body;
 use axum::http::{Method, Request, StatusCode};
@@ -97,12 +100,12 @@ pub fn error_of(reply: &Reply) -> &str {
 }
 
 /// A keep-alive client that panics on transport errors (tests only).
-pub struct RawClient(kvroute_service::client::HttpClient);
+pub struct RawClient(kvroute_testkit::client::HttpClient);
 
 impl RawClient {
     pub async fn connect(addr: std::net::SocketAddr) -> Self {
         Self(
-            kvroute_service::client::HttpClient::connect(addr)
+            kvroute_testkit::client::HttpClient::connect(addr)
                 .await
                 .expect("connect"),
         )

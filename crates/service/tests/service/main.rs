@@ -1,0 +1,18 @@
+//! Integration tests of kvroute-service, in one test binary (one link instead of one per file):
+//!
+//! - [`dynamo_compat`]: the exchanges recorded from Dynamo's selection service, replayed.
+//! - [`http`]: the HTTP service end to end, every error row, limits, shutdown, a real socket.
+//! - [`ingest`]: live KV events from fake engines over real ZeroMQ sockets.
+//! - [`replicas`]: replicas sharing state through a real `nats-server`.
+//! - [`common`]: the in-process app, the raw client and the `nats-server` they share.
+//!
+//! Fixtures are read from `tests/fixtures` under the crate's directory.
+
+// Test helpers outside #[test] functions may unwrap: a failure there is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+mod dynamo_compat;
+mod http;
+mod ingest;
+mod replicas;
