@@ -1,12 +1,15 @@
 //! The HTTP selection service (SPEC §7): routes, middleware (metrics, API key, shutdown) and
 //! [`app`], which builds the whole service so tests can drive it without a socket.
 
-pub mod error;
 pub mod handlers;
 pub mod json;
 pub mod openapi;
-pub mod types;
 
+/// The request/response types and the error mapping live at the crate root, below
+/// [`crate::api`] (which the handlers call); re-exported where HTTP callers look for them.
+pub use crate::{error, types};
+
+use crate::error::ApiError;
 use crate::state::AppState;
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
@@ -14,7 +17,6 @@ use axum::http::{Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
-use error::ApiError;
 use handlers::*;
 use std::sync::Arc;
 use std::time::Instant;
