@@ -56,7 +56,7 @@ pub fn run(config: ServeConfig) -> ExitCode {
         };
         // Replica sync catches up (catalog, bookings, events) before the first request.
         #[cfg(feature = "nats")]
-        let _sync = match kvroute_service::sync::start(&state).await {
+        let _sync = match kvroute_service::sync_tasks::start(&state).await {
             Ok(tasks) => tasks,
             Err(e) => {
                 eprintln!("kvroute serve: replica sync: {e}");

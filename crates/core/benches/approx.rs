@@ -13,6 +13,8 @@
 //!   each release evicting down to capacity. Reported per release.
 //! - `ttl_insert_expire_64_blocks_1000_ranks`: insert a prompt on a rank of a partition holding
 //!   ~130k predicted blocks and expire what ran out, with time advancing 10 ms per insert.
+// A bench reads the clock (the core's `now` arguments, its own timings).
+#![allow(clippy::disallowed_methods)]
 
 mod common;
 

@@ -12,6 +12,8 @@
 //!   called for every rank, O(ranks × prompt).
 //! - `load_potential_decode_batch_1000_ranks_x_2048_blocks`: the one-pass query
 //!   (`potential_decode`) then an O(1) answer per rank, as `select` uses it.
+// A bench reads the clock (the core's `now` arguments, its own timings).
+#![allow(clippy::disallowed_methods)]
 
 mod common;
 

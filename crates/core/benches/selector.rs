@@ -3,6 +3,8 @@
 //! chains, and the `select` → `create_reservation` (replay) → `free` cycle per request.
 //! Besides criterion's figures it prints p50/p99 over 2,000 timed selects.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
+// A bench reads the clock (the core's `now` arguments, its own timings).
+#![allow(clippy::disallowed_methods)]
 
 mod common;
 

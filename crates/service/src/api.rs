@@ -2,9 +2,9 @@
 //! JSON values out, failures as [`ApiError`] (status + the exact message). The HTTP handlers and
 //! the Python binding both call these, so they cannot diverge in semantics.
 
-use crate::http::error::ApiError;
-use crate::http::types::*;
+use crate::error::ApiError;
 use crate::state::AppState;
+use crate::types::*;
 use kvroute_core::error::{Error, PartitionKey, check_id};
 use kvroute_core::event::{KvEvent, Rank, Tier};
 use kvroute_core::hash::{PromptHashes, seed_for};

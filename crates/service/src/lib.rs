@@ -11,22 +11,36 @@
 //! - [`api`]: the service's operations, transport-free (HTTP and Python call them).
 //! - [`courtesy`]: background threads yield the CPU after each stretch of work.
 //! - [`config`]: every knob as a CLI flag and a `KVROUTE_*` environment variable, validated.
-//! - [`http`]: routes, JSON request/response types, the one error → response mapping.
+//! - [`error`]: the one error → response mapping.
+//! - [`http`]: routes, the strict JSON extractor, the OpenAPI document.
 //! - [`ingest`]: per-endpoint ZMQ SUB listeners with replay, gap and restart handling.
 //! - [`metrics`]: one Prometheus registry per service instance.
 //! - [`state`]: the shared state and how events, requests and ticks reach the selector.
-//! - [`sync`]: replica sync over NATS (feature `nats`): shared bookings, catalog and KV events.
+//! - [`sync`]: replica sync's knobs, hooks and messages: shared bookings, catalog and KV events.
+//! - `sync_tasks`: replica sync's tasks over NATS (feature `nats`), started by `kvroute serve`.
+//! - [`types`]: the JSON request and response bodies.
+//!
+//! The modules depend on each other in one direction only, each on modules listed before it:
+//! courtesy, error, types, metrics, ingest, sync, config, state, api, http, sync_tasks (held by
+//! the test `tests::modules_depend_in_one_direction`).
 // Unsafe code is denied everywhere but in `http::json::avx512` (a bench proved its need).
 #![deny(unsafe_code)]
 
 pub mod api;
 pub mod config;
 pub mod courtesy;
+pub mod error;
 pub mod http;
 pub mod ingest;
 pub mod metrics;
 pub mod state;
 pub mod sync;
+#[cfg(feature = "nats")]
+pub mod sync_tasks;
+pub mod types;
+
+#[cfg(test)]
+mod tests;
 
 pub use config::ServeConfig;
 pub use http::app;

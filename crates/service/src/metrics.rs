@@ -14,6 +14,10 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
+mod sync;
+
+pub use sync::SyncMetrics;
+
 pub type Labels = Vec<(String, String)>;
 
 fn labels(pairs: &[(&str, &str)]) -> Labels {
@@ -76,7 +80,7 @@ pub struct Metrics {
     approx_lru: Family<Labels, Counter>,
     approx_seen: Mutex<kvroute_core::approx::LruCounters>,
     /// Replica sync over NATS (`kvroute_sync_*`).
-    pub sync: crate::sync::SyncMetrics,
+    pub sync: SyncMetrics,
 }
 
 impl Default for Metrics {
@@ -207,7 +211,7 @@ impl Metrics {
             "LRU model events: evicted blocks, reaped leases, overcapacity allocations, retired leases",
             approx_lru.clone(),
         );
-        let sync = crate::sync::SyncMetrics::register(&mut registry);
+        let sync = SyncMetrics::register(&mut registry);
         Self {
             registry,
             sync,

@@ -1,10 +1,10 @@
 //! Route handlers: extract, call [`crate::api`], render. No routing logic lives here.
 
-use super::error::ApiError;
-use super::json::{OptionalJson, StrictJson};
-use super::types::*;
+use super::json::{JsonBody, OptionalJson, StrictJson};
 use crate::api;
+use crate::error::ApiError;
 use crate::state::AppState;
+use crate::types::*;
 use axum::Json;
 use axum::extract::{FromRequestParts, Path, Query, State};
 use axum::http::StatusCode;
@@ -14,6 +14,25 @@ use serde_json::Value;
 use std::sync::Arc;
 
 type AppResult = Result<Response, ApiError>;
+
+// The bodies the handlers parse with `StrictJson`; those with a top-level `token_ids` array let
+// it take the fast path.
+macro_rules! json_body_with_tokens {
+    ($($t:ty),*) => {$(
+        impl JsonBody for $t {
+            const HAS_TOKEN_IDS: bool = true;
+
+            fn token_ids_slot(&mut self) -> Option<&mut Option<Vec<u32>>> {
+                Some(&mut self.token_ids)
+            }
+        }
+    )*};
+}
+
+json_body_with_tokens!(SelectBody, ReservationBody, PromptRouteBody);
+
+impl JsonBody for WorkerBody {}
+impl JsonBody for OutputBlockBody {}
 type Shared = State<Arc<AppState>>;
 
 fn ok(value: Value) -> AppResult {

@@ -1,20 +1,22 @@
 //! The HTTP selection service (SPEC §7): routes, middleware (metrics, API key, shutdown) and
 //! [`app`], which builds the whole service so tests can drive it without a socket.
 
-pub mod error;
 pub mod handlers;
 pub mod json;
 pub mod openapi;
-pub mod types;
 
+/// The request/response types and the error mapping live at the crate root, below
+/// [`crate::api`] (which the handlers call); re-exported where HTTP callers look for them.
+pub use crate::{error, types};
+
+use crate::error::ApiError;
 use crate::state::AppState;
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
 use axum::http::{Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post};
-use error::ApiError;
+use axum::routing::{MethodFilter, MethodRouter, on};
 use handlers::*;
 use std::sync::Arc;
 use std::time::Instant;
@@ -54,32 +56,73 @@ pub mod route {
     pub const OPENAPI: &str = "/openapi.json";
 }
 
-/// Every route template, for the metrics labels.
-pub const ROUTES: [&str; 16] = [
-    route::WORKERS,
-    route::WORKER,
-    route::SELECT,
-    route::SELECT_AND_RESERVE,
-    route::RESERVATIONS,
-    route::PREFILL_COMPLETE,
-    route::OUTPUT_BLOCK,
-    route::RESERVATION,
-    route::OVERLAP_SCORES,
-    route::POTENTIAL_LOADS,
-    route::LOADS,
-    route::READY,
-    route::HEALTH,
-    route::DUMP,
-    route::METRICS,
-    route::OPENAPI,
+/// One route [`app`] serves: a method on a path template, and its handler.
+pub struct Endpoint {
+    pub method: Method,
+    pub path: &'static str,
+    handler: fn(MethodFilter) -> MethodRouter<Arc<AppState>>,
+}
+
+impl Endpoint {
+    const fn new(
+        method: Method,
+        path: &'static str,
+        handler: fn(MethodFilter) -> MethodRouter<Arc<AppState>>,
+    ) -> Self {
+        Self {
+            method,
+            path,
+            handler,
+        }
+    }
+
+    fn method_router(&self) -> MethodRouter<Arc<AppState>> {
+        let filter = MethodFilter::try_from(self.method.clone())
+            .unwrap_or_else(|_| panic!("no method filter for {}", self.method));
+        (self.handler)(filter)
+    }
+}
+
+/// Every route the service serves, read by [`app`] (the router), the metrics labels and the
+/// test that holds the OpenAPI document to it.
+pub const ENDPOINTS: &[Endpoint] = &[
+    Endpoint::new(Method::POST, route::WORKERS, |m| on(m, upsert_worker)),
+    Endpoint::new(Method::GET, route::WORKERS, |m| on(m, list_workers)),
+    Endpoint::new(Method::PATCH, route::WORKER, |m| on(m, patch_worker)),
+    Endpoint::new(Method::DELETE, route::WORKER, |m| on(m, delete_worker)),
+    Endpoint::new(Method::POST, route::SELECT, |m| on(m, select)),
+    Endpoint::new(Method::POST, route::SELECT_AND_RESERVE, |m| {
+        on(m, select_and_reserve)
+    }),
+    Endpoint::new(Method::POST, route::RESERVATIONS, |m| {
+        on(m, create_reservation)
+    }),
+    Endpoint::new(Method::POST, route::PREFILL_COMPLETE, |m| {
+        on(m, prefill_complete)
+    }),
+    Endpoint::new(Method::POST, route::OUTPUT_BLOCK, |m| on(m, output_block)),
+    Endpoint::new(Method::DELETE, route::RESERVATION, |m| {
+        on(m, free_reservation)
+    }),
+    Endpoint::new(Method::POST, route::OVERLAP_SCORES, |m| {
+        on(m, overlap_scores)
+    }),
+    Endpoint::new(Method::POST, route::POTENTIAL_LOADS, |m| {
+        on(m, potential_loads)
+    }),
+    Endpoint::new(Method::GET, route::LOADS, |m| on(m, loads)),
+    Endpoint::new(Method::GET, route::READY, |m| on(m, ready)),
+    Endpoint::new(Method::GET, route::HEALTH, |m| on(m, health)),
+    Endpoint::new(Method::GET, route::DUMP, |m| on(m, dump)),
+    Endpoint::new(Method::GET, route::METRICS, |m| on(m, metrics)),
+    Endpoint::new(Method::GET, route::OPENAPI, |m| on(m, openapi)),
 ];
 
 /// The metrics label of a request's route: its template, or `unmatched`.
 fn route_label(matched: Option<&MatchedPath>) -> &'static str {
     matched
-        .and_then(|path| ROUTES.iter().find(|route| **route == path.as_str()))
-        .copied()
-        .unwrap_or("unmatched")
+        .and_then(|path| ENDPOINTS.iter().find(|e| e.path == path.as_str()))
+        .map_or("unmatched", |e| e.path)
 }
 
 fn method_label(method: &Method) -> &'static str {
@@ -145,23 +188,12 @@ async fn method_not_allowed() -> Response {
 /// The whole service as a router.
 pub fn app(state: Arc<AppState>) -> Router {
     let body_limit = state.config.body_limit_bytes;
-    Router::new()
-        .route(route::WORKERS, post(upsert_worker).get(list_workers))
-        .route(route::WORKER, delete(delete_worker).patch(patch_worker))
-        .route(route::SELECT, post(select))
-        .route(route::SELECT_AND_RESERVE, post(select_and_reserve))
-        .route(route::RESERVATIONS, post(create_reservation))
-        .route(route::PREFILL_COMPLETE, post(prefill_complete))
-        .route(route::OUTPUT_BLOCK, post(output_block))
-        .route(route::RESERVATION, delete(free_reservation))
-        .route(route::OVERLAP_SCORES, post(overlap_scores))
-        .route(route::POTENTIAL_LOADS, post(potential_loads))
-        .route(route::LOADS, get(loads))
-        .route(route::READY, get(ready))
-        .route(route::HEALTH, get(health))
-        .route(route::DUMP, get(dump))
-        .route(route::METRICS, get(metrics))
-        .route(route::OPENAPI, get(openapi))
+    // Methods of one path merge into one route.
+    ENDPOINTS
+        .iter()
+        .fold(Router::new(), |router, e| {
+            router.route(e.path, e.method_router())
+        })
         .fallback(route_not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(Arc::clone(&state), guard))

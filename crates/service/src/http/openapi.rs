@@ -1,13 +1,27 @@
-//! The OpenAPI 3 description served at `/openapi.json`.
+//! The OpenAPI 3 description served at `/openapi.json`. Its tests hold it to the service: every
+//! route of [`super::ENDPOINTS`], every field of the request types and every key of the responses
+//! the handlers build.
 
 use serde_json::{Value, json};
+
+#[cfg(test)]
+mod tests;
 
 fn body(schema: Value) -> Value {
     json!({"required": true, "content": {"application/json": {"schema": schema}}})
 }
 
-fn reply(description: &str) -> Value {
-    json!({"description": description, "content": {"application/json": {"schema": {"type": "object"}}}})
+/// A reference to a schema of the document.
+fn schema(name: &str) -> Value {
+    json!({"$ref": format!("#/components/schemas/{name}")})
+}
+
+fn array_of(name: &str) -> Value {
+    json!({"type": "array", "items": schema(name)})
+}
+
+fn reply(description: &str, schema: Value) -> Value {
+    json!({"description": description, "content": {"application/json": {"schema": schema}}})
 }
 
 fn errors() -> Value {
@@ -15,18 +29,148 @@ fn errors() -> Value {
            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}})
 }
 
-fn op(summary: &str, request: Option<&str>, ok: &str, ok_code: &str) -> Value {
+/// An operation: its request body's schema, its success status and response.
+fn op(summary: &str, request: Option<&str>, ok_code: &str, ok: Value) -> Value {
     let mut o = json!({
         "summary": summary,
-        "responses": {ok_code: reply(ok), "default": errors()},
+        "responses": {ok_code: ok, "default": errors()},
     });
-    if let (Some(schema), Some(obj)) = (request, o.as_object_mut()) {
-        obj.insert(
-            "requestBody".into(),
-            body(json!({"$ref": format!("#/components/schemas/{schema}")})),
-        );
+    if let (Some(name), Some(obj)) = (request, o.as_object_mut()) {
+        obj.insert("requestBody".into(), body(schema(name)));
     }
     o
+}
+
+/// The properties of a schema (an object's), to extend.
+fn with(mut base: Value, extra: Value) -> Value {
+    if let (Some(b), Value::Object(extra)) = (base.as_object_mut(), extra) {
+        b.extend(extra);
+    }
+    base
+}
+
+/// An object schema with these properties.
+fn object(properties: Value) -> Value {
+    json!({"type": "object", "properties": properties})
+}
+
+/// The response schemas: what the handlers build (`crate::types`, `crate::api`).
+fn response_schemas() -> Value {
+    let int = json!({"type": "integer"});
+    let string = json!({"type": "string"});
+    let boolean = json!({"type": "boolean"});
+    let unused = |what: &str| json!({"nullable": true, "description": format!("Dynamo field kvroute does not use: always {what}")});
+    let anything = json!({"type": "object", "additionalProperties": true});
+    let worker = object(json!({
+        "worker_id": int, "model_name": string, "routing_group": string,
+        "lifecycle": {"type": "string", "enum": ["schedulable", "incomplete", "unschedulable"]},
+        "not_schedulable_reasons": {"type": "array", "items": string, "description": "when not schedulable"},
+        "endpoint": string, "kv_events_endpoint": string,
+        "kv_events_endpoints": {"type": "object", "additionalProperties": string, "description": "global dp rank → ZMQ address, when registered so"},
+        "replay_endpoint": string, "block_size": int,
+        "data_parallel_start_rank": int, "data_parallel_size": int,
+        "max_num_batched_tokens": int, "total_kv_blocks": int,
+        "stable_routing_id": unused("null"), "is_eagle": unused("null"),
+        "taints": {"type": "array", "items": anything, "description": "Dynamo field kvroute does not use: always []"},
+        "topology_domains": with(anything.clone(), json!({"description": "Dynamo field kvroute does not use: always {}"})),
+        "kv_transfer_domain": unused("null"), "kv_transfer_enforcement": unused("null"),
+        "kv_transfer_preferred_weight": unused("null")
+    }));
+    let overlap = object(json!({
+        "longest_matched": int, "gpu": int, "cpu": int, "disk": int,
+        "dp": {"type": "object", "additionalProperties": int, "description": "dp rank → matched device blocks"}
+    }));
+    let worker_load = with(
+        object(
+            json!({"active_prefill_tokens": int, "prefill_token_capacity": int, "total_kv_blocks": int}),
+        ),
+        json!({"description": "advisory selections only"}),
+    );
+    let selection = json!({
+        "model_name": string, "routing_group": string,
+        "worker_id": int, "dp_rank": int, "endpoint": string, "block_size": int,
+        "overlap": overlap, "effective_prefill_tokens": int, "potential_decode_blocks": int,
+        "selection_id": {"type": "string", "description": "when the request gave one"},
+        "worker_load": worker_load
+    });
+    let booked = with(
+        selection.clone(),
+        json!({
+            "reservation_id": string,
+            "sequence_hashes": {"type": "array", "items": {"type": "integer", "description": "signed 64-bit"}},
+            "isl_tokens": int, "track_prefill_tokens": boolean
+        }),
+    );
+    let cache_model = with(
+        object(json!({
+            "policy": {"type": "string", "enum": ["events", "ttl", "lru"]},
+            "predicted_blocks": int, "capacity_blocks": int, "resident_blocks": int,
+            "active_blocks": int, "inactive_blocks": int, "overcapacity_blocks": int,
+            "indexed_blocks": int, "leases": int
+        })),
+        json!({"description": "How the rank's cache is known: from KV events, or predicted (ttl: predicted_blocks; lru: the other counts)"}),
+    );
+    let overlap_scores = object(json!({
+        "block_size": int, "num_blocks": int,
+        "workers": {"type": "array", "items": object(json!({
+            "worker_id": int, "dp_rank": int, "device_blocks": int,
+            "host_pinned_blocks": int, "disk_blocks": int,
+            "host_pinned_extension_blocks": int, "disk_extension_blocks": int,
+            "shared_beyond_device_blocks": unused("null")
+        }))},
+        "shared_cache": with(
+            object(json!({
+                "enabled": boolean, "total_hit_blocks": int,
+                "ranges": {"type": "array", "items": anything}, "error": unused("null")
+            })),
+            json!({"description": "Dynamo's shared cache: always disabled"}),
+        )
+    }));
+    let block =
+        object(json!({"block_hash": int, "tokens_hash": int, "mm_extra_info": unused("null")}));
+    let stored = object(json!({
+        "parent_hash": int, "start_position": unused("null"),
+        "blocks": {"type": "array", "items": block}
+    }));
+    let event = object(json!({
+        "event_id": int, "dp_rank": int, "data": object(json!({"stored": stored}))
+    }));
+    let dump_event = object(json!({
+        "worker_id": int, "dp_rank": int,
+        "storage_tier": {"type": "string", "enum": ["device", "host_pinned", "disk"]},
+        "residency_domain": {"type": "string", "enum": ["worker"]},
+        "event": event
+    }));
+    let partition_dump = object(json!({
+        "block_size": int, "events": {"type": "array", "items": dump_event}
+    }));
+    json!({
+        "Status": {"type": "object", "required": ["status"], "properties": {"status": {"type": "string", "enum": ["ok"]}}},
+        "WorkerRecord": worker,
+        "Ready": object(json!({"ready": boolean, "schedulable_workers": int, "workers": array_of("WorkerRecord")})),
+        "Selection": object(selection),
+        "SelectionAndReservation": object(booked),
+        "ReservationRecord": object(json!({
+            "reservation_id": string, "selection_id": string, "model_name": string,
+            "routing_group": string, "worker_id": int, "dp_rank": int, "endpoint": string
+        })),
+        "RankLoad": object(json!({
+            "worker_id": int, "dp_rank": int, "potential_prefill_tokens": int,
+            "potential_decode_blocks": int, "active_requests": int,
+            "cache_model": {"allOf": [schema("CacheModel")], "description": "/loads only"}
+        })),
+        "CacheModel": cache_model,
+        "PartitionLoads": object(json!({
+            "model_name": string, "routing_group": string, "loads": array_of("RankLoad"),
+            "pending_count": int, "pending_isl_tokens": int
+        })),
+        "OverlapScores": overlap_scores,
+        "Dump": {
+            "type": "object",
+            "description": "\"{model_name}:{routing_group}\" → the partition's blocks as stored events",
+            "additionalProperties": partition_dump
+        }
+    })
 }
 
 /// The document.
@@ -34,13 +178,15 @@ pub fn document() -> Value {
     let id = |name: &str| json!([{"name": name, "in": "path", "required": true, "schema": {"type": "string"}}]);
     let partition_query = json!([
         {"name": "model_name", "in": "query", "schema": {"type": "string"}},
-        {"name": "routing_group", "in": "query", "schema": {"type": "string"}}
+        {"name": "routing_group", "in": "query", "schema": {"type": "string"}},
+        {"name": "tenant_id", "in": "query", "schema": {"type": "string"}, "description": "alias of routing_group"}
     ]);
     let u32s = json!({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 4294967295u64}});
     let hashes = json!({"type": "array", "items": {"type": "integer", "description": "64-bit hash, signed or unsigned"}});
     let prompt = json!({
         "model_name": {"type": "string", "default": "default"},
         "routing_group": {"type": "string", "default": "default", "description": "alias: tenant_id"},
+        "tenant_id": {"type": "string", "description": "alias of routing_group"},
         "token_ids": u32s,
         "block_hashes": hashes,
         "sequence_hashes": hashes,
@@ -80,7 +226,7 @@ pub fn document() -> Value {
         r.insert("expected_output_tokens".into(), json!({"type": "integer"}));
         r.insert("track_prefill_tokens".into(), json!({"type": "boolean"}));
     }
-    json!({
+    let mut doc = json!({
         "openapi": "3.0.3",
         "info": {
             "title": "kvroute selection service",
@@ -89,28 +235,28 @@ pub fn document() -> Value {
         },
         "paths": {
             "/workers": {
-                "post": op("Register or update a worker", Some("Worker"), "The worker record", "201"),
-                "get": {"summary": "List workers", "parameters": partition_query, "responses": {"200": reply("Worker records")}}
+                "post": op("Register or update a worker", Some("Worker"), "201", reply("The worker record", schema("WorkerRecord"))),
+                "get": {"summary": "List workers", "parameters": partition_query, "responses": {"200": reply("Worker records", array_of("WorkerRecord"))}}
             },
             "/workers/{worker_id}": {
                 "parameters": id("worker_id"),
-                "patch": op("Update some fields of a worker", Some("Worker"), "The worker record", "200"),
-                "delete": op("Delete a worker (frees its reservations)", None, "The record, lifecycle unschedulable", "200")
+                "patch": op("Update some fields of a worker", Some("Worker"), "200", reply("The worker record", schema("WorkerRecord"))),
+                "delete": op("Delete a worker (frees its reservations)", None, "200", reply("The record, lifecycle unschedulable", schema("WorkerRecord")))
             },
-            "/select": {"post": op("Choose a worker; books nothing. With selection_id the booking inputs are cached for a replay.", Some("Select"), "The selection", "200")},
-            "/select_and_reserve": {"post": op("Choose and book atomically", Some("Select"), "The selection and its booking", "200")},
-            "/reservations": {"post": op("Book load: replay a cached selection (selection_id) or book explicitly (worker_id + prompt)", Some("Reservation"), "The reservation", "201")},
-            "/reservations/{reservation_id}/prefill_complete": {"parameters": id("reservation_id"), "post": op("Prefill finished (idempotent)", None, "{\"status\":\"ok\"}", "200")},
-            "/reservations/{reservation_id}/output_block": {"parameters": id("reservation_id"), "post": op("One more output block; optional body {\"decay_fraction\": f}", Some("OutputBlock"), "{\"status\":\"ok\"}", "200")},
-            "/reservations/{reservation_id}": {"parameters": id("reservation_id"), "delete": op("Free a reservation", None, "{\"status\":\"ok\"}", "200")},
-            "/overlap_scores": {"post": op("Every schedulable rank's overlap with a prompt, in blocks", Some("Prompt"), "Overlap scores", "200")},
-            "/potential_loads": {"post": op("Every schedulable rank's load if the prompt were booked there", Some("Prompt"), "Loads", "200")},
-            "/loads": {"get": {"summary": "Active load per rank and partition", "parameters": partition_query, "responses": {"200": reply("Loads")}}},
-            "/ready": {"get": {"summary": "200 when at least one worker is schedulable, else 503", "responses": {"200": reply("Ready"), "503": reply("Not ready")}}},
-            "/health": {"get": {"summary": "Liveness", "responses": {"200": reply("{\"status\":\"ok\"}")}}},
-            "/dump": {"get": {"summary": "The index as stored events, per partition", "responses": {"200": reply("Dump")}}},
-            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "text exposition"}}}},
-            "/openapi.json": {"get": {"summary": "This document", "responses": {"200": reply("OpenAPI")}}}
+            "/select": {"post": op("Choose a worker; books nothing. With selection_id the booking inputs are cached for a replay.", Some("Select"), "200", reply("The selection", schema("Selection")))},
+            "/select_and_reserve": {"post": op("Choose and book atomically", Some("Select"), "200", reply("The selection and its booking", schema("SelectionAndReservation")))},
+            "/reservations": {"post": op("Book load: replay a cached selection (selection_id) or book explicitly (worker_id + prompt)", Some("Reservation"), "201", reply("The reservation", schema("ReservationRecord")))},
+            "/reservations/{reservation_id}/prefill_complete": {"parameters": id("reservation_id"), "post": op("Prefill finished (idempotent)", None, "200", reply("{\"status\":\"ok\"}", schema("Status")))},
+            "/reservations/{reservation_id}/output_block": {"parameters": id("reservation_id"), "post": op("One more output block; optional body {\"decay_fraction\": f}", Some("OutputBlock"), "200", reply("{\"status\":\"ok\"}", schema("Status")))},
+            "/reservations/{reservation_id}": {"parameters": id("reservation_id"), "delete": op("Free a reservation", None, "200", reply("{\"status\":\"ok\"}", schema("Status")))},
+            "/overlap_scores": {"post": op("Every schedulable rank's overlap with a prompt, in blocks", Some("Prompt"), "200", reply("Overlap scores", schema("OverlapScores")))},
+            "/potential_loads": {"post": op("Every schedulable rank's load if the prompt were booked there", Some("Prompt"), "200", reply("Loads", array_of("RankLoad")))},
+            "/loads": {"get": {"summary": "Active load per rank and partition", "parameters": partition_query, "responses": {"200": reply("Loads", array_of("PartitionLoads"))}}},
+            "/ready": {"get": {"summary": "200 when at least one worker is schedulable, else 503", "responses": {"200": reply("Ready", schema("Ready")), "503": reply("Not ready", schema("Ready"))}}},
+            "/health": {"get": {"summary": "Liveness", "responses": {"200": reply("{\"status\":\"ok\"}", schema("Status"))}}},
+            "/dump": {"get": {"summary": "The index as stored events, per partition", "responses": {"200": reply("Dump", schema("Dump"))}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "text exposition", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+            "/openapi.json": {"get": {"summary": "This document", "responses": {"200": reply("OpenAPI", json!({"type": "object", "additionalProperties": true}))}}}
         },
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer", "description": "Only when the service runs with --api-key; /health, /ready and /metrics are open"}},
@@ -126,7 +272,8 @@ pub fn document() -> Value {
                 "Worker": {"type": "object", "required": ["worker_id"], "properties": {
                     "worker_id": {"type": "integer", "minimum": 0},
                     "model_name": {"type": "string", "default": "default"},
-                    "routing_group": {"type": "string", "default": "default"},
+                    "routing_group": {"type": "string", "default": "default", "description": "alias: tenant_id"},
+                    "tenant_id": {"type": "string", "description": "alias of routing_group"},
                     "endpoint": {"type": "string"},
                     "block_size": {"type": "integer", "minimum": 1},
                     "data_parallel_start_rank": {"type": "integer", "default": 0},
@@ -138,5 +285,12 @@ pub fn document() -> Value {
                     "replay_endpoint": {"type": "string"}}}
             }
         }
-    })
+    });
+    if let (Some(schemas), Value::Object(responses)) = (
+        doc["components"]["schemas"].as_object_mut(),
+        response_schemas(),
+    ) {
+        schemas.extend(responses);
+    }
+    doc
 }

@@ -6,6 +6,11 @@
 //! Without `--nats-url` nothing here runs: every hook is a no-op and the service behaves exactly
 //! as a single process.
 //!
+//! This module is the service's side of replica sync (the knobs, the hooks that queue changes,
+//! the message formats in [`codec`]) and sits below [`crate::state`], which holds the hooks. The
+//! tasks that talk to NATS drive the whole state, so they live above it, in `crate::sync_tasks`
+//! (`kvroute_service::sync_tasks::start`, with the `nats` feature).
+//!
 //! ## What travels, and where
 //!
 //! | what | NATS object | key / subject | value |
@@ -62,13 +67,6 @@
 //! workers), each caught up before the next, bounded by 30 s; then `kvroute serve` starts serving.
 
 pub mod codec;
-mod metrics;
-#[cfg(feature = "nats")]
-mod nats;
-
-pub use metrics::SyncMetrics;
-#[cfg(feature = "nats")]
-pub use nats::{SyncTasks, start};
 
 use crate::ingest::EventSink;
 use crate::metrics::Metrics;

@@ -7,7 +7,8 @@ use crate::common::TestApp;
 use crate::common::nats::Nats;
 use kvroute_core::error::PartitionKey;
 use kvroute_core::selector::Prompt;
-use kvroute_service::sync::{self, SyncTasks};
+use kvroute_service::sync;
+use kvroute_service::sync_tasks::{SyncTasks, start};
 use kvroute_service::{AppState, ServeConfig};
 use kvroute_testkit::fake_engine::FakeEngine;
 use kvroute_wire::Encoding;
@@ -47,7 +48,7 @@ async fn replica(nats: &Nats, id: &str, extra: &[&str]) -> Replica {
     ];
     args.extend_from_slice(extra);
     let app = TestApp::with_config(ServeConfig::parse_from(args).unwrap());
-    let tasks = sync::start(&app.state).await.unwrap().expect("sync on");
+    let tasks = start(&app.state).await.unwrap().expect("sync on");
     Replica { app, tasks }
 }
 

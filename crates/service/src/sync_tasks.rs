@@ -1,13 +1,18 @@
-//! The NATS tasks of replica sync: connection, publisher, watchers (see the module docs of
-//! [`crate::sync`]). Every loop ends when its task is aborted ([`SyncTasks`] is dropped) and
-//! every wait on NATS is bounded by a timeout.
+//! The NATS tasks of replica sync (cargo feature `nats`): connection, publisher, watchers (see
+//! the module docs of [`crate::sync`], which holds the hooks these tasks serve). Every loop ends
+//! when its task is aborted ([`SyncTasks`] is dropped) and every wait on NATS is bounded by a
+//! timeout.
+//!
+//! This module sits above [`crate::state`] (it drives the whole [`AppState`]); `sync` sits below
+//! it, so the state can hold the hooks without a loop between the two.
 
-use super::codec::{
+use crate::metrics::SyncMetrics;
+use crate::state::AppState;
+use crate::sync::codec::{
     self, BookingMessage, CatalogMessage, EventMessage, EventsMessage, Origin, VERSION,
 };
-use super::{SyncOp, SyncShared};
-use crate::http::types::{WorkerBody, worker_json};
-use crate::state::AppState;
+use crate::sync::{SyncOp, SyncShared};
+use crate::types::{WorkerBody, worker_json};
 use async_nats::jetstream::{self, consumer, kv, stream};
 use bytes::Bytes;
 use futures::StreamExt;
@@ -66,7 +71,7 @@ impl Ctx {
         &self.shared.replica_id
     }
 
-    fn metrics(&self) -> &super::SyncMetrics {
+    fn metrics(&self) -> &SyncMetrics {
         &self.shared.metrics.sync
     }
 

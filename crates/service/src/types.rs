@@ -554,20 +554,3 @@ pub fn overlap_scores_json(s: &OverlapScores) -> Value {
         "shared_cache": {"enabled": false, "total_hit_blocks": 0, "ranges": [], "error": null},
     })
 }
-
-macro_rules! json_body_with_tokens {
-    ($($t:ty),*) => {$(
-        impl crate::http::json::JsonBody for $t {
-            const HAS_TOKEN_IDS: bool = true;
-
-            fn token_ids_slot(&mut self) -> Option<&mut Option<Vec<u32>>> {
-                Some(&mut self.token_ids)
-            }
-        }
-    )*};
-}
-
-json_body_with_tokens!(SelectBody, ReservationBody, PromptRouteBody);
-
-impl crate::http::json::JsonBody for WorkerBody {}
-impl crate::http::json::JsonBody for OutputBlockBody {}

@@ -6,7 +6,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-type Labels = Vec<(String, String)>;
+use super::Labels;
 
 fn lag_histogram() -> Histogram {
     // 100 µs … ~100 s.
