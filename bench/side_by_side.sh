@@ -144,7 +144,7 @@ run() { # name port mode round register [extra loadgen flags...]
   local cpu_before stat_before applied_before=0 applied_end=0 applied_settled=0 settle_s=0
   # kvroute's cycle runs: how many of the run's KV events were applied only after it ended (a
   # lagging index would make the run look cheaper than it was). Dynamo exposes no such count;
-  # its /dump stood still from a second after such a run (BENCHMARKS.md).
+  # its /dump stood still from a second after such a run (BENCHMARKS.md, known limits).
   local track_lag=0
   [ "$name" = kvroute ] && [ "$mode" = cycle ] && track_lag=1
   [ "$track_lag" = 1 ] && applied_before=$(stored_applied)
@@ -295,7 +295,7 @@ DURATION=$STORM_DURATION run kvroute "$KV_PORT" select quiet 0 --engine-idle
 # nothing. At SCHED_IDLE the fake engines get a core only when the service and the clients leave
 # one, and give it up as soon as one of theirs wakes. (At nice 19 they still took their whole
 # slice once picked: the same storm published to no subscriber raised kvroute's p99 by
-# 1.22–1.77× in alternating runs, against 1.12–1.43× at SCHED_IDLE; see BENCHMARKS.md.)
+# 1.22–1.77× in alternating runs, against 1.12–1.43× at SCHED_IDLE; see docs/perf-decisions.md.)
 storm_run storm --engine-idle
 drain
 DURATION=$STORM_DURATION run kvroute "$KV_PORT" select quiet-colocated 0
