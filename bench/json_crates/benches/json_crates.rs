@@ -79,7 +79,10 @@ fn bench_body(c: &mut Criterion) {
     let body = serde_json::json!({"selection_id": "req-1", "token_ids": ids}).to_string();
     let bytes = body.as_bytes();
     let token_ids = |b: SelectBody| b.token_ids.expect("token_ids");
-    assert_eq!(token_ids(parse_strict::<SelectBody>(bytes).expect("parses")), ids);
+    assert_eq!(
+        token_ids(parse_strict::<SelectBody>(bytes).expect("parses")),
+        ids
+    );
     assert_eq!(token_ids(sonic_rs::from_slice(bytes).expect("parses")), ids);
     assert_eq!(
         token_ids(simd_json::serde::from_slice(&mut bytes.to_vec()).expect("parses")),
