@@ -8,8 +8,9 @@
 #
 # Dynamo's service binds 0.0.0.0 with no option to change it, so both servers and the load
 # generator run inside a network namespace whose only interface is loopback (needs root). The
-# script installs its own Python dependencies into bench/.venv, writes bench/results/<date>.json
-# and prints a markdown table (also appended to BENCHMARKS.md when UPDATE_BENCHMARKS=1).
+# script installs its own Python dependencies into bench/.venv, writes bench/results/<date>.json,
+# prints a markdown table and regenerates BENCHMARKS.md's headline and history from
+# bench/results/*.json (summarize.py --history; UPDATE_BENCHMARKS=0 leaves BENCHMARKS.md alone).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/.." && pwd)"
@@ -143,7 +144,7 @@ run() { # name port mode round register [extra loadgen flags...]
   local cpu_before stat_before applied_before=0 applied_end=0 applied_settled=0 settle_s=0
   # kvroute's cycle runs: how many of the run's KV events were applied only after it ended (a
   # lagging index would make the run look cheaper than it was). Dynamo exposes no such count;
-  # its /dump stood still from a second after such a run (BENCHMARKS.md).
+  # its /dump stood still from a second after such a run (BENCHMARKS.md, known limits).
   local track_lag=0
   [ "$name" = kvroute ] && [ "$mode" = cycle ] && track_lag=1
   [ "$track_lag" = 1 ] && applied_before=$(stored_applied)
@@ -294,7 +295,7 @@ DURATION=$STORM_DURATION run kvroute "$KV_PORT" select quiet 0 --engine-idle
 # nothing. At SCHED_IDLE the fake engines get a core only when the service and the clients leave
 # one, and give it up as soon as one of theirs wakes. (At nice 19 they still took their whole
 # slice once picked: the same storm published to no subscriber raised kvroute's p99 by
-# 1.22–1.77× in alternating runs, against 1.12–1.43× at SCHED_IDLE; see BENCHMARKS.md.)
+# 1.22–1.77× in alternating runs, against 1.12–1.43× at SCHED_IDLE; see docs/perf-decisions.md.)
 storm_run storm --engine-idle
 drain
 DURATION=$STORM_DURATION run kvroute "$KV_PORT" select quiet-colocated 0
@@ -302,8 +303,15 @@ DURATION=$STORM_DURATION run kvroute "$KV_PORT" select quiet-colocated 0
 engine_nice=0 storm_run storm-colocated
 
 out="$here/results/$stamp.json"
+# The measured code: the commit, marked -dirty when the work tree's code differs from it.
+commit=$(git -C "$repo" rev-parse --short=7 HEAD 2>/dev/null || echo unknown)
+git -C "$repo" diff --quiet HEAD -- crates Cargo.toml Cargo.lock 2>/dev/null || commit="$commit-dirty"
 python3 "$here/summarize.py" --dir "$workdir" --rounds "$ROUNDS" --out "$out" \
   --machine "$(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(uname -m)" \
-  --dynamo-version "$DYNAMO_VERSION" ${UPDATE_BENCHMARKS:+--benchmarks "$repo/BENCHMARKS.md"}
+  --cpu-model "$(awk -F': *' '/^model name/ {print $2; exit}' /proc/cpuinfo)" --commit "$commit" \
+  --dynamo-version "$DYNAMO_VERSION"
 say "wrote $out"
+if [ "${UPDATE_BENCHMARKS:-1}" = 1 ]; then
+  python3 "$here/summarize.py" --history "$repo/BENCHMARKS.md" --results "$here/results"
+fi
 say "done"

@@ -1,15 +1,159 @@
 #!/usr/bin/env python3
-"""Turns the load generator's per-run JSON files into the side-by-side table (stdlib only)."""
-import argparse, glob, json, os, statistics, datetime
+"""Turns the load generator's per-run JSON files into the side-by-side table (stdlib only).
+
+    summarize.py --dir RUNS --rounds N --out results/DATE.json [--benchmarks FILE]
+        one run: prints its table and writes its results JSON (--benchmarks appends the table
+        to FILE);
+    summarize.py --history BENCHMARKS.md [--results bench/results]
+        rewrites FILE's headline (the latest results JSON) and history (one row per results
+        JSON) between their <!-- headline:begin/end --> and <!-- history:begin/end --> markers.
+"""
+import argparse, glob, json, os, re, statistics, sys, datetime
 
 p = argparse.ArgumentParser()
-p.add_argument("--dir", required=True)
-p.add_argument("--rounds", type=int, required=True)
-p.add_argument("--out", required=True)
+p.add_argument("--dir")
+p.add_argument("--rounds", type=int)
+p.add_argument("--out")
 p.add_argument("--machine", default="")
+p.add_argument("--cpu-model", default="")
+p.add_argument("--commit", default="")
 p.add_argument("--dynamo-version", default="")
 p.add_argument("--benchmarks")
+p.add_argument("--history", metavar="FILE")
+p.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
 a = p.parse_args()
+
+
+def fmt_ratio(x, unit="×"):
+    return f"{x:.2f}{unit}" if x is not None else "—"
+
+
+def storm_kind(entry):
+    """'alone', 'remote' or 'colocated' for an event-storm entry of a results JSON. The first
+    runs recorded one storm, with the fake engines at nice 0 (co-located), and no label."""
+    engines = entry.get("engines", "co-located")
+    if "alone" in engines:
+        return "alone"
+    return "colocated" if "co-located" in engines else "remote"
+
+
+def load_results(directory):
+    """Every results JSON in `directory`, oldest first, as (file name, report)."""
+    out = []
+    for f in sorted(glob.glob(os.path.join(directory, "*.json"))):
+        with open(f) as fh:
+            out.append((os.path.basename(f), json.load(fh)))
+    return out
+
+
+def run_stamp(name):
+    """A results file's name (the run's start, UTC) as `YYYY-MM-DD HH:MM`."""
+    m = re.match(r"(\d{4}-\d{2}-\d{2})T(\d{2})-(\d{2})", name)
+    return f"{m.group(1)} {m.group(2)}:{m.group(3)}" if m else name
+
+
+def headline_lines(name, r, link):
+    """The headline: the latest run's medians, storm pairs and targets."""
+    s, rows = r.get("summary", {}), r.get("rows", [])
+    storms = r.get("event_storm", [])
+    storms = [storms] if isinstance(storms, dict) else storms
+    w = r.get("workload", {})
+    lines = [f"Run of {run_stamp(name)} UTC at commit `{r.get('commit', '?')}` on "
+             f"{r.get('cpu_model') or 'a CPU it did not record'} ({r.get('machine', '')}), Dynamo "
+             f"{r.get('dynamo_version', '?')}, {w.get('workers')} workers, {w.get('concurrency')} "
+             f"connections, mean prompt {w.get('mean_prompt_tokens')} tokens. Raw results: "
+             f"[{link}]({link}).", "",
+             "| measure | kvroute / Dynamo (median) | rounds | p99 ratio (median) | server CPU per request |",
+             "|---|---:|---|---:|---:|"]
+    names = {"select": "/select throughput", "cycle_isolated":
+             "cycle throughput, load generator on its own core (**isolated: counts**)",
+             "cycle": "cycle throughput, load generator sharing the servers' cores (information)"}
+    for mode in ("select", "cycle_isolated", "cycle"):
+        if mode not in s:
+            continue
+        t = s[mode]
+        per_round = ", ".join(f"{x['throughput_ratio']:.2f}" for x in rows if x["mode"] == mode)
+        cpu = f"{t['median_cpu_ratio']:.2f}× less" if "median_cpu_ratio" in t else "—"
+        lines.append(f"| {names[mode]} | **{t['median_throughput_ratio']:.2f}×** | {per_round} | "
+                     f"{t['median_p99_ratio']:.2f} | {cpu} |")
+    storm_names = {"alone": "load generator alone (no subscriber; the floor, information)",
+                   "remote": "remote-like engines (SCHED_IDLE)", "colocated": "co-located engines (nice 0)"}
+    for e in storms:
+        applied = e.get("stored_blocks_applied_per_s")
+        applied = f", {applied:,.0f} stored blocks applied/s" if applied else ""
+        lines.append(f"| event storm, kvroute `/select` p99 rise: {storm_names[storm_kind(e)]} | "
+                     f"**{e['ratio']:.2f}×** | p99 {e['quiet_p99_us']:,} → {e['storm_p99_us']:,} µs{applied} | | |")
+    notes = []
+    lag = r.get("kvroute_index_lag")
+    if lag:
+        shares = [100 * x["after_run"] / (x["during_run"] + x["after_run"])
+                  for x in lag if x["during_run"] + x["after_run"]]
+        if shares:
+            notes.append(f"kvroute's index in the shared cycle rounds: {min(shares):.1f}–{max(shares):.1f} % of "
+                         f"a round's stored blocks applied after the round ended, settled within "
+                         f"{max(x['settle_s'] for x in lag):.1f} s.")
+    split = r.get("cycle_cpu_split")
+    if split and len(split) == 2:
+        d, k = split["dynamo"], split["kvroute"]
+        notes.append(f"CPU per shared-core cycle (medians): Dynamo's server {d['server_user_us']:.0f} µs user + "
+                     f"{d['server_system_us']:.0f} µs system, kvroute's {k['server_user_us']:.0f} + "
+                     f"{k['server_system_us']:.0f}; the load generator {d['loadgen_us']:.0f} µs with Dynamo, "
+                     f"{k['loadgen_us']:.0f} with kvroute.")
+    if r.get("targets"):
+        notes.append("Targets (issue 7): " + "; ".join(
+            f"{t['target']}: {'met' if t['met'] else '**not met**'} ({t['value']})" for t in r["targets"]) + ".")
+    if notes:
+        lines += ["", " ".join(notes)]
+    return lines
+
+
+def history_lines(results, rel):
+    """One row per results JSON, newest first."""
+    lines = ["| run (UTC) | commit | rounds | /select | /select p99 ratio | cycle, isolated | cycle, shared "
+             "| storm p99 rise: remote-like | co-located | max steal % |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, r in reversed(results):
+        s, rows = r.get("summary", {}), r.get("rows", [])
+        storms = r.get("event_storm", [])
+        storms = [storms] if isinstance(storms, dict) else storms
+        rise = {storm_kind(e): e["ratio"] for e in storms}
+        med = lambda m, k="median_throughput_ratio": s.get(m, {}).get(k)
+        steal = [x["max_steal_pct"] for x in rows if "max_steal_pct" in x]
+        commit = r.get("commit", "?")
+        if "not recorded" in r.get("commit_source", ""):
+            commit += "*"
+        lines.append(f"| [{run_stamp(name)}]({rel}/{name}) | `{commit}` | "
+                     f"{len({x['round'] for x in rows})} | {fmt_ratio(med('select'))} | "
+                     f"{fmt_ratio(med('select', 'median_p99_ratio'), '')} | {fmt_ratio(med('cycle_isolated'))} | "
+                     f"{fmt_ratio(med('cycle'))} | {fmt_ratio(rise.get('remote'))} | "
+                     f"{fmt_ratio(rise.get('colocated'))} | {f'{max(steal):.0f}' if steal else '—'} |")
+    return lines
+
+
+def replace_between(text, marker, body):
+    begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
+    i, j = text.find(begin), text.find(end)
+    if i < 0 or j < i:
+        sys.exit(f"summarize.py: {begin} ... {end} not found in {a.history}")
+    return text[:i + len(begin)] + "\n" + "\n".join(body) + "\n" + text[j:]
+
+
+if a.history:
+    results = load_results(a.results)
+    if not results:
+        sys.exit(f"summarize.py: no results JSON in {a.results}")
+    rel = os.path.relpath(os.path.abspath(a.results), os.path.dirname(os.path.abspath(a.history)))
+    with open(a.history) as f:
+        text = f.read()
+    name, latest = results[-1]
+    text = replace_between(text, "headline", headline_lines(name, latest, f"{rel}/{name}"))
+    text = replace_between(text, "history", history_lines(results, rel))
+    with open(a.history, "w") as f:
+        f.write(text)
+    print(f"{a.history}: headline from {name}, history of {len(results)} runs")
+    sys.exit(0)
+if a.dir is None or a.rounds is None or a.out is None:
+    p.error("--dir, --rounds and --out are required (or --history FILE)")
 
 runs = {}
 for f in glob.glob(os.path.join(a.dir, "*.json")):
@@ -83,6 +227,7 @@ for m, v in cpu_ratios.items():
     summary[m]["median_cpu_ratio"] = statistics.median(v)
 report = {
     "date": datetime.datetime.utcnow().isoformat() + "Z",
+    "commit": a.commit, "commit_source": "recorded by side_by_side.sh" if a.commit else "", "cpu_model": a.cpu_model,
     "machine": a.machine, "dynamo_version": a.dynamo_version,
     "workload": {k: runs[next(iter(runs))].get(k) for k in ("workers", "concurrency", "mean_prompt_tokens", "prompts")} if runs else {},
     "rows": rows, "summary": summary, "event_storm": storm_rows, "runs": runs,

@@ -4,12 +4,12 @@
 //! or at the core's timer tick (every 4 ms at the common `HZ=250`). A request thread that was
 //! preempted, and so waits runnable rather than waking up, can therefore sit behind a busy
 //! background thread until the next tick: in an event-storm profile the ingest listener and the
-//! applier took both cores for 4.4 ms while the HTTP workers and their client waited runnable,
-//! which is the whole of a select's p99 there. A background thread that yields after every stretch
-//! of [`STRETCH`] of work lets those waiters run within that stretch; when nothing waits, the
-//! yield returns at once (a system call, well under a microsecond). In storm pairs the p99 rise
-//! was about the same with stretches of 200 µs, 500 µs and 1 ms (1.55–1.84×, against 3.3–4.3×
-//! without yields); the middle one bounds the wait well below a quiet p99 (~1.5 ms).
+//! applier took both cores for about a tick while the HTTP workers and their client waited
+//! runnable, which is the whole of a select's p99 there. A background thread that yields after
+//! every stretch of [`STRETCH`] of work lets those waiters run within that stretch; when nothing
+//! waits, the yield returns at once (one cheap system call). In storm pairs the yield itself made
+//! the difference and the stretch's length hardly mattered (docs/perf-decisions.md); the one
+//! chosen bounds the wait well below a quiet `/select` p99.
 //!
 //! The stretch is counted per thread from the last yield or the last wake-up
 //! ([`woke`]; a thread that blocked gave the CPU away anyway).

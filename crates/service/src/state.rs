@@ -32,11 +32,11 @@ const APPLY_BLOCKS_PER_LOCK: usize = 256;
 /// [`APPLY_LOCK_BURST`]: a budget of lock time that refills at this rate. Below it the applier
 /// never pauses, so the index keeps up with the engines; only an ingest that would hold the lock
 /// nearly all the time backs up into the queue (and then the engines' sockets). The
-/// side-by-side's cycle runs need more than half: at 0.5 kvroute still applied 0.8–1.0 M of a
-/// run's ~9 M stored blocks after the run ended, at 0.75 and 1.0 none, at the same cycle rate;
-/// its storm runs applied as much and saw the same `/select` p99 at 0.5 and 1.0 (BENCHMARKS.md).
-/// Holds are charged from when the applier asks for the lock: that left no lag either, and cut a
-/// select during the contention bench's storm from 116–129 to 27 µs.
+/// side-by-side's cycle runs need more than half: at 0.5 the index still fell behind them, at
+/// 0.75 and 1.0 it kept up, at the same cycle rate; its storm runs applied as much and saw the
+/// same `/select` p99 at 0.5 and 1.0 (docs/perf-decisions.md has the figures). Holds are charged
+/// from when the applier asks for the lock: that left no lag either, and a select arriving during
+/// the contention bench's storm waits far less, since busy selects make the applier pause sooner.
 const APPLY_LOCK_SHARE: f64 = 0.75;
 /// The most lock time the budget saves up while the applier has little to do.
 const APPLY_LOCK_BURST: Duration = Duration::from_millis(4);

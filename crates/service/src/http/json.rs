@@ -7,7 +7,7 @@
 //! [`OptionalJson`] treats an empty body (with or without a content type) as absent.
 //!
 //! Prompt bodies take a fast path for their largest part: a top-level `token_ids` array of plain
-//! integers is parsed by a dedicated loop (about 4× faster than serde's generic integer path)
+//! integers is parsed by a dedicated loop (faster than serde's generic integer path)
 //! and the rest of the body by serde with that array blanked out. Anything unusual in the array
 //! (a sign, a fraction, an exponent, a leading zero, a value above `u32::MAX`, a nested value)
 //! makes the whole body take the ordinary path, so every error message stays the same.
@@ -255,8 +255,8 @@ fn quarter_cuts(body: &[u8]) -> Option<[usize; 3]> {
     Some(cuts)
 }
 
-/// Lists from this long are read in four lanes ([`four_lanes`]): 10 % faster than two for 8,192
-/// ids (50 → 45 µs on a 2.1 GHz core), when the lanes are long enough to pay for the cuts.
+/// Lists from this long are read in four lanes ([`four_lanes`]): faster than two once the lanes
+/// are long enough to pay for the cuts (docs/perf-decisions.md).
 const FOUR_LANES_FROM_BYTES: usize = 1024;
 
 /// The ids of a list's contents, in four lanes cut at commas near its quarters, interleaved as
