@@ -6,7 +6,7 @@
         to FILE);
     summarize.py --history BENCHMARKS.md [--results bench/results]
         rewrites FILE's headline (the latest results JSON) and history (one row per results
-        JSON) between their <!-- headline:begin/end --> and <!-- history:begin/end --> markers.
+        JSON, the newest HISTORY_ROWS) between their <!-- headline:begin/end --> and <!-- history:begin/end --> markers.
 """
 import argparse, glob, json, os, re, statistics, sys, datetime
 
@@ -107,12 +107,17 @@ def headline_lines(name, r, link):
     return lines
 
 
+# Rows of the history table: the newest runs, so that BENCHMARKS.md stays a short reference; the
+# older runs are named by a count and their folder.
+HISTORY_ROWS = 20
+
+
 def history_lines(results, rel):
-    """One row per results JSON, newest first."""
+    """One row per results JSON, newest first, at most HISTORY_ROWS of them."""
     lines = ["| run (UTC) | commit | rounds | /select | /select p99 ratio | cycle, isolated | cycle, shared "
              "| storm p99 rise: remote-like | co-located | max steal % |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for name, r in reversed(results):
+    for name, r in list(reversed(results))[:HISTORY_ROWS]:
         s, rows = r.get("summary", {}), r.get("rows", [])
         storms = r.get("event_storm", [])
         storms = [storms] if isinstance(storms, dict) else storms
@@ -127,6 +132,9 @@ def history_lines(results, rel):
                      f"{fmt_ratio(med('select', 'median_p99_ratio'), '')} | {fmt_ratio(med('cycle_isolated'))} | "
                      f"{fmt_ratio(med('cycle'))} | {fmt_ratio(rise.get('remote'))} | "
                      f"{fmt_ratio(rise.get('colocated'))} | {f'{max(steal):.0f}' if steal else '—'} |")
+    older = len(results) - HISTORY_ROWS
+    if older > 0:
+        lines += ["", f"{older} older runs: [bench/results/]({rel}/)."]
     return lines
 
 
