@@ -4,10 +4,10 @@
 //! calls the same `kvroute_service::api` function as the HTTP handler, and converts the JSON value
 //! it returns back to a dict: Python and HTTP cannot diverge.
 //!
-//! Threads: each service owns a small tokio runtime on which its KV-event listeners and the
-//! periodic housekeeping (expiry of idle bookings) run. Every core operation runs with the GIL
-//! released and inside that runtime's context, so listeners started by `upsert_worker` or
-//! `patch_worker` land on it. Awaitable methods return an `asyncio.Future`: resolved on the spot
+//! Threads: each service owns a small tokio runtime on which the periodic housekeeping (expiry
+//! of idle bookings) runs; its KV-event listeners run on the ingest runtime and the applier
+//! thread that `AppState` starts, as in `kvroute serve`. Every core operation runs with the GIL
+//! released and inside the service runtime's context. Awaitable methods return an `asyncio.Future`: resolved on the spot
 //! when the selector lock is free, or completed from `pyo3-async-runtimes`' tokio runtime when a
 //! writer holds the lock (see [`Core::call`]).
 

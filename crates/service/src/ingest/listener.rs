@@ -613,7 +613,7 @@ impl Listener {
         if !self.sink.apply(self.spec.worker_id, rank, events) {
             tracing::debug!(
                 worker_id = self.spec.worker_id,
-                "KV events for a worker the selector no longer knows"
+                "KV events refused by the sink (shutting down, or an unknown worker)"
             );
         }
     }

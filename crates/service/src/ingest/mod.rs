@@ -83,8 +83,10 @@ use zeromq::ZmqMessage;
 
 /// Where decoded events go.
 pub trait EventSink: Send + Sync + 'static {
-    /// Applies (or queues for applying) decoded events of one rank. Returns false when they
-    /// cannot be applied (the worker is unknown, or the sink is shutting down).
+    /// Applies (or queues for applying) decoded events of one rank. Returns false when the sink
+    /// refuses them: it is shutting down or, for a sink that applies at once, the worker is
+    /// unknown. A queueing sink finds an unknown worker only when it applies the events, and
+    /// counts them as dropped (`unknown_worker`) then.
     fn apply(&self, worker_id: u64, dp_rank: u32, events: Vec<KvEvent>) -> bool;
 }
 
