@@ -287,8 +287,16 @@ fn decision_quality_is_a_fraction_and_1_with_one_worker() {
     let list = "round_robin,cache_aware,dynamo,kvroute,kvroute-approx-ttl";
     for p in policies(list) {
         let one = summarize(&run(&workload, &single_unlimited_worker(), &p));
-        assert!(one.best_overlap_tokens > 0, "{}: shared prefixes hit", p.name);
-        assert_eq!(one.chosen_overlap_tokens, one.best_overlap_tokens, "{}", p.name);
+        assert!(
+            one.best_overlap_tokens > 0,
+            "{}: shared prefixes hit",
+            p.name
+        );
+        assert_eq!(
+            one.chosen_overlap_tokens, one.best_overlap_tokens,
+            "{}",
+            p.name
+        );
         assert_eq!(one.decision_quality, 1.0, "{}", p.name);
         let selector_backed = !matches!(p.name, "round_robin" | "cache_aware");
         assert_eq!(

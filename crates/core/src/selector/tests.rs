@@ -675,7 +675,11 @@ fn best_overlap_counts_a_busy_holder_the_selector_passed_over() {
         .select_and_reserve(&select_req(&p, &prompt, None), Some("b"), now, &mut rng())
         .unwrap();
     assert_eq!(
-        (booked.worker_id, booked.overlap.gpu, booked.best_gpu_overlap),
+        (
+            booked.worker_id,
+            booked.overlap.gpu,
+            booked.best_gpu_overlap
+        ),
         (1, 0, 16)
     );
 }
