@@ -93,7 +93,13 @@ async def test_select_and_reserve_and_inspection_routes():
     assert (ready["ready"], ready["schedulable_workers"]) == (True, 2)
     assert [w["worker_id"] for w in svc.list_workers()] == [1, 2]
     assert svc.list_workers(model_name="other") == []
-    assert "kvroute_rank_active_requests" in svc.metrics()
+    metrics = svc.metrics()
+    assert "kvroute_rank_active_requests" in metrics
+    # Decision quality: the select_and_reserve above took worker 1's 8 cached tokens, the best.
+    partition = 'model_name="default",routing_group="default"'
+    assert f'kvroute_selection_overlap_tokens_total{{{partition},kind="chosen"}} 8' in metrics
+    assert f'kvroute_selection_overlap_tokens_total{{{partition},kind="best"}} 8' in metrics
+    assert f'kvroute_selection_overlap_gap_blocks_count{{{partition}}} 1' in metrics
     # Hash form with signed and unsigned hashes alike.
     h = kvroute.block_hashes(prompt, 4)
     unsigned_local = [x & (2**64 - 1) for x in h["local_hashes"]]

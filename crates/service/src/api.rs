@@ -171,7 +171,9 @@ pub fn select(state: &AppState, mut body: SelectBody) -> ApiResult {
     state
         .metrics
         .observe_phase("route", start.elapsed().as_secs_f64());
-    Ok(selection_json(&selection))
+    let body = selection_json(&selection);
+    state.metrics.observe_selection(selection);
+    Ok(body)
 }
 
 /// `POST /select_and_reserve` (`advisory` does not apply).
@@ -185,7 +187,9 @@ pub fn select_and_reserve(state: &AppState, mut body: SelectBody) -> ApiResult {
         &mut rand::rng(),
     )?;
     state.sync.booking_changed(&reservation.reservation_id);
-    Ok(select_and_reserve_json(&selection, &reservation))
+    let body = select_and_reserve_json(&selection, &reservation);
+    state.metrics.observe_selection(selection);
+    Ok(body)
 }
 
 /// `POST /reservations` (201).

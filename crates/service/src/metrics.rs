@@ -1,10 +1,18 @@
 //! Prometheus metrics (SPEC §12), one registry per service instance (no globals), all named
 //! `kvroute_*`. Per-rank load, pending-cache and index sizes are refreshed from the selector when
 //! `/metrics` is scraped; counters of events are incremented as they happen.
+//!
+//! Decision quality (issue 29): every successful `/select` and `/select_and_reserve` adds the
+//! chosen rank's device overlap (`kind="chosen"`) and the largest device overlap among its
+//! candidate ranks (`kind="best"`, see `Selection::best_gpu_overlap`) to
+//! `kvroute_selection_overlap_tokens_total` per partition, and observes `best − chosen` in blocks
+//! in `kvroute_selection_overlap_gap_blocks`. `chosen ÷ best` is the decision quality (1 when the
+//! selector always took the largest cache on offer). Advisory selects count too: `advisory` only
+//! adds `worker_load` to the answer, the decision is the same one. Failed selections count nothing.
 
 use kvroute_core::index::ApplyOutcome;
 use kvroute_core::pending::PendingCounters;
-use kvroute_core::selector::Selector;
+use kvroute_core::selector::{Selection, Selector};
 use parking_lot::Mutex;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::encoding::text::encode;
@@ -46,6 +54,25 @@ struct PhaseLabel {
     phase: &'static str,
 }
 
+/// Labels of the decision-quality counters.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OverlapLabels {
+    model_name: String,
+    routing_group: String,
+    kind: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PartitionLabels {
+    model_name: String,
+    routing_group: String,
+}
+
+/// Blocks of cache the selector left on the table: 0, 1, 2, 4, …, 1024, +Inf.
+fn gap_histogram() -> Histogram {
+    Histogram::new(std::iter::once(0.0).chain(exponential_buckets(1.0, 2.0, 11)))
+}
+
 fn latency_histogram() -> Histogram {
     // 20 µs … ~10 s.
     Histogram::new(exponential_buckets(20e-6, 2.0, 20))
@@ -57,6 +84,8 @@ pub struct Metrics {
     http_requests: Family<HttpLabels, Counter>,
     http_duration: Family<RouteLabel, Histogram, fn() -> Histogram>,
     select_phase: Family<PhaseLabel, Histogram, fn() -> Histogram>,
+    selection_overlap: Family<OverlapLabels, Counter>,
+    selection_gap: Family<PartitionLabels, Histogram, fn() -> Histogram>,
     kv_events: Family<Labels, Counter>,
     /// ZMQ messages per endpoint and status (ok, malformed, duplicate, replayed, stale).
     pub kv_messages: Family<Labels, Counter>,
@@ -114,6 +143,21 @@ impl Metrics {
             "select_phase_duration_seconds",
             "Selection overhead by phase (hash: hashing token ids; route: index lookup and scheduling)",
             select_phase.clone(),
+        );
+        let selection_overlap = Family::<OverlapLabels, Counter>::default();
+        registry.register(
+            "selection_overlap_tokens",
+            "Device overlap tokens of the chosen rank (kind=chosen) and the best candidate rank (kind=best) per selection; chosen/best is the decision quality",
+            selection_overlap.clone(),
+        );
+        let selection_gap =
+            Family::<PartitionLabels, Histogram, fn() -> Histogram>::new_with_constructor(
+                gap_histogram,
+            );
+        registry.register(
+            "selection_overlap_gap_blocks",
+            "Per selection, the best candidate rank's device overlap minus the chosen rank's, in blocks",
+            selection_gap.clone(),
         );
         let kv_events = Family::<Labels, Counter>::default();
         registry.register(
@@ -218,6 +262,8 @@ impl Metrics {
             http_requests,
             http_duration,
             select_phase,
+            selection_overlap,
+            selection_gap,
             kv_events,
             kv_messages,
             kv_gaps,
@@ -263,6 +309,35 @@ impl Metrics {
         self.select_phase
             .get_or_create(&PhaseLabel { phase })
             .observe(seconds);
+    }
+
+    /// Counts a successful selection's chosen and best device overlap (module doc). Takes the
+    /// selection by value to move its partition names into the labels.
+    pub fn observe_selection(&self, selection: Selection) {
+        let Selection {
+            partition,
+            overlap,
+            best_gpu_overlap,
+            block_size,
+            ..
+        } = selection;
+        let chosen = overlap.gpu;
+        let best = best_gpu_overlap.max(chosen);
+        let mut l = OverlapLabels {
+            model_name: partition.model_name,
+            routing_group: partition.routing_group,
+            kind: "chosen",
+        };
+        self.selection_overlap.get_or_create(&l).inc_by(chosen);
+        l.kind = "best";
+        self.selection_overlap.get_or_create(&l).inc_by(best);
+        let gap_blocks = (best - chosen) / u64::from(block_size.max(1));
+        self.selection_gap
+            .get_or_create(&PartitionLabels {
+                model_name: l.model_name,
+                routing_group: l.routing_group,
+            })
+            .observe(gap_blocks as f64);
     }
 
     pub fn count_events(&self, outcome: &ApplyOutcome) {

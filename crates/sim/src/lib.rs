@@ -13,8 +13,8 @@
 //! - [`policy`]: round robin, random, least loaded, SGLang-style cache-aware, and the selector with
 //!   Dynamo's defaults (`dynamo`) or kvroute's own (`kvroute`).
 //! - [`sim`]: the event loop ([`sim::run_policy`]).
-//! - [`report`]: per-policy hit rate, TTFT, latency, throughput, imbalance, preemptions; JSON, a
-//!   text table and an SVG chart.
+//! - [`report`]: per-policy hit rate, decision quality, TTFT, latency, throughput, imbalance,
+//!   preemptions; JSON, a text table and an SVG chart.
 //!
 //! ## Invariants
 //! - **Pure and deterministic**: no async runtime, no clock reads, no global randomness. Time is

@@ -234,6 +234,19 @@ pub trait Router {
     fn diagnostics(&self) -> RouterDiagnostics {
         RouterDiagnostics::default()
     }
+    /// The chosen and best device overlap of the router's selections as its own index saw them
+    /// (`Selection::best_gpu_overlap`), for routers built on the selector; the others keep no
+    /// index of the engines' caches, so `None`.
+    fn selector_overlap(&self) -> Option<OverlapTotals> {
+        None
+    }
+}
+
+/// Sums of the chosen and the best device overlap over a run's selections, in tokens.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OverlapTotals {
+    pub chosen_tokens: u64,
+    pub best_tokens: u64,
 }
 
 /// Things a router noticed that point at a simulator bug when non-zero.
@@ -511,6 +524,7 @@ struct SelectorRouter {
     diagnostics: RouterDiagnostics,
     /// When the selector's housekeeping (TTL expiry, lease reaper) last ran.
     last_tick: Option<Instant>,
+    overlap: OverlapTotals,
 }
 
 impl SelectorRouter {
@@ -556,6 +570,7 @@ impl SelectorRouter {
             expiring: VecDeque::new(),
             diagnostics: RouterDiagnostics::default(),
             last_tick: None,
+            overlap: OverlapTotals::default(),
         })
     }
 
@@ -617,6 +632,8 @@ impl Router for SelectorRouter {
         let worker = usize::try_from(selection.worker_id.saturating_sub(1))
             .map_err(|_| SimError::Internal("worker id out of range".into()))?;
         self.ids.insert(id, reservation_id);
+        self.overlap.chosen_tokens += selection.overlap.gpu;
+        self.overlap.best_tokens += selection.best_gpu_overlap;
         if self.config.predict_blocks_on_route && !prompt.sequence.is_empty() {
             let engine_hashes: Vec<u64> = prompt
                 .sequence
@@ -682,6 +699,10 @@ impl Router for SelectorRouter {
 
     fn diagnostics(&self) -> RouterDiagnostics {
         self.diagnostics
+    }
+
+    fn selector_overlap(&self) -> Option<OverlapTotals> {
+        Some(self.overlap)
     }
 }
 

@@ -102,6 +102,12 @@ impl BlockPool {
         self.cached.contains_key(&sequence_hash)
     }
 
+    /// How many leading blocks of a prompt (its sequence hashes) are resident: the prefix a
+    /// request sent here now would find cached.
+    pub fn cached_prefix_blocks(&self, sequence: &[u64]) -> usize {
+        sequence.iter().take_while(|h| self.is_cached(**h)).count()
+    }
+
     /// Blocks that could still be allocated (evicting free cached blocks as needed).
     pub fn allocatable(&self) -> u64 {
         match self.capacity {

@@ -7,11 +7,21 @@
 //! - `throughput_rps`: completed requests ÷ (last completion − first arrival).
 //! - `load_imbalance`: max ÷ mean of the workers' busy time (1.0 is perfectly even).
 //! - `preemptions`: requests the engines evicted from their running batch for lack of KV blocks.
+//! - `decision_quality` (issue 29): Σ over routed requests of the prefix the chosen engine held
+//!   cached at the request's arrival ÷ Σ of the longest prefix any engine held then (every engine
+//!   is a candidate in the simulator), from the engines' real caches, so it is known for every
+//!   policy. 1.0 when no engine ever held any of the prompts (nothing better was on offer).
+//! - `selector_decision_quality`: the same ratio as the selector's own index saw it at each
+//!   selection — what the service's `kvroute_selection_overlap_tokens_total{kind="chosen"}` ÷
+//!   `{kind="best"}` would show for this policy (with its predicted blocks and event lag).
+//!   Selector-backed policies only; `null` (`—` in the table) for the others, which keep no index
+//!   of the engines' caches.
 //!
 //! Every number is a function of the run alone (no wall-clock time), so the same seed gives a
 //! byte-identical JSON document.
 
 use crate::SimError;
+use crate::policy::OverlapTotals;
 use crate::sim::{PolicyRun, SimConfig};
 use crate::workload::Workload;
 use plotters::coord::Shift;
@@ -38,6 +48,10 @@ pub struct PolicyReport {
     pub throughput_rps: f64,
     pub load_imbalance: f64,
     pub preemptions: u64,
+    pub decision_quality: f64,
+    pub chosen_overlap_tokens: u64,
+    pub best_overlap_tokens: u64,
+    pub selector_decision_quality: Option<f64>,
     pub completed: u64,
     pub rejected: u64,
     pub cached_tokens: u64,
@@ -101,6 +115,16 @@ fn stats(mut values: Vec<f64>) -> LatencyStats {
     }
 }
 
+/// Σ chosen ÷ Σ best overlap, 1.0 when `best` is 0 (no rank ever held anything, so every
+/// choice was as good as any).
+pub fn decision_quality(totals: OverlapTotals) -> f64 {
+    if totals.best_tokens == 0 {
+        1.0
+    } else {
+        round(totals.chosen_tokens as f64 / totals.best_tokens as f64, 6)
+    }
+}
+
 /// Time to first token of every completed request, milliseconds, sorted.
 pub fn ttfts_ms(run: &PolicyRun) -> Vec<f64> {
     let mut v: Vec<f64> = run
@@ -135,6 +159,10 @@ pub fn summarize(run: &PolicyRun) -> PolicyReport {
         .max()
         .unwrap_or(0);
     let span_secs = last_finish.saturating_sub(first_arrival) as f64 / 1e9;
+    let real = OverlapTotals {
+        chosen_tokens: run.requests.iter().map(|r| r.chosen_overlap_tokens).sum(),
+        best_tokens: run.requests.iter().map(|r| r.best_overlap_tokens).sum(),
+    };
     let busy: Vec<f64> = run.engines.iter().map(|e| e.busy_nanos as f64).collect();
     let mean_busy = busy.iter().sum::<f64>() / busy.len().max(1) as f64;
     let max_busy = busy.iter().copied().fold(0.0, f64::max);
@@ -158,6 +186,10 @@ pub fn summarize(run: &PolicyRun) -> PolicyReport {
             1.0
         },
         preemptions: run.engines.iter().map(|e| e.preemptions).sum(),
+        decision_quality: decision_quality(real),
+        chosen_overlap_tokens: real.chosen_tokens,
+        best_overlap_tokens: real.best_tokens,
+        selector_decision_quality: run.selector_overlap.map(decision_quality),
         completed: completed.len() as u64,
         rejected: run.requests.iter().filter(|r| r.rejected).count() as u64,
         cached_tokens,
@@ -201,9 +233,11 @@ impl Report {
     pub fn to_table(&self) -> String {
         let mut out = String::new();
         out.push_str(&format!(
-            "{:<20} {:>8} {:>10} {:>9} {:>9} {:>9} {:>10} {:>10} {:>8} {:>9} {:>8}\n",
+            "{:<20} {:>8} {:>7} {:>8} {:>10} {:>9} {:>9} {:>9} {:>10} {:>10} {:>8} {:>9} {:>8}\n",
             "policy",
             "hit rate",
+            "quality",
+            "sel qual",
             "TTFT mean",
             "TTFT p50",
             "TTFT p90",
@@ -215,10 +249,15 @@ impl Report {
             "preempt"
         ));
         for p in &self.policies {
+            let selector_quality = p
+                .selector_decision_quality
+                .map_or_else(|| "—".to_string(), |q| format!("{q:.3}"));
             out.push_str(&format!(
-                "{:<20} {:>7.2}% {:>8.1}ms {:>7.1}ms {:>7.1}ms {:>7.1}ms {:>9.0}ms {:>9.0}ms {:>8.2} {:>9.3} {:>8}\n",
+                "{:<20} {:>7.2}% {:>7.3} {:>8} {:>8.1}ms {:>7.1}ms {:>7.1}ms {:>7.1}ms {:>9.0}ms {:>9.0}ms {:>8.2} {:>9.3} {:>8}\n",
                 p.name,
                 p.prefix_hit_rate * 100.0,
+                p.decision_quality,
+                selector_quality,
                 p.ttft_ms.mean,
                 p.ttft_ms.p50,
                 p.ttft_ms.p90,
@@ -400,5 +439,19 @@ mod tests {
         assert_eq!(percentile(&[], 50.0), 0.0);
         let s = stats(vec![3.0, 1.0, 2.0]);
         assert_eq!((s.mean, s.p50, s.max), (2.0, 2.0, 3.0));
+    }
+
+    #[test]
+    fn decision_quality_is_chosen_over_best_and_1_when_nothing_was_cached() {
+        let q = |chosen_tokens, best_tokens| {
+            decision_quality(OverlapTotals {
+                chosen_tokens,
+                best_tokens,
+            })
+        };
+        assert_eq!(q(0, 0), 1.0);
+        assert_eq!(q(64, 64), 1.0);
+        assert_eq!(q(0, 64), 0.0);
+        assert_eq!(q(1, 3), 0.333333);
     }
 }

@@ -9,7 +9,7 @@
 //! later), then the router hears of first tokens, new output blocks and finished requests.
 
 use crate::engine::{Engine, EngineConfig, EngineCounters};
-use crate::policy::{Policy, RouterDiagnostics, build_router};
+use crate::policy::{OverlapTotals, Policy, RouterDiagnostics, build_router};
 use crate::timing::Nanos;
 use crate::workload::Workload;
 use crate::{RequestId, SimError};
@@ -64,6 +64,11 @@ pub struct RequestOutcome {
     /// Prompt tokens served from the engine's prefix cache at first admission.
     pub cached_tokens: u64,
     pub prompt_tokens: u64,
+    /// When routed: the prompt's prefix cached on the chosen engine, in tokens, at arrival...
+    pub chosen_overlap_tokens: u64,
+    /// ...and the longest such prefix on any engine then (the decision quality of issue 29,
+    /// against the engines' real caches).
+    pub best_overlap_tokens: u64,
     /// Larger than any engine's KV pool: never routed.
     pub rejected: bool,
 }
@@ -75,6 +80,9 @@ pub struct PolicyRun {
     pub requests: Vec<RequestOutcome>,
     pub engines: Vec<EngineCounters>,
     pub router: RouterDiagnostics,
+    /// The chosen and best device overlap of a selector-backed router's selections, as its index
+    /// saw them (`None` for the other policies).
+    pub selector_overlap: Option<OverlapTotals>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -160,14 +168,23 @@ pub fn run_policy(
                     continue;
                 }
                 let w = router.route(id, &request.prompt, now, &mut rng)?;
+                let block_size = u64::from(config.engine.block_size);
+                let cached_tokens = |e: &Engine| {
+                    e.pool().cached_prefix_blocks(&request.prompt.sequence) as u64 * block_size
+                };
+                let best = engines.iter().map(cached_tokens).max().unwrap_or(0);
                 let Some(engine) = engines.get_mut(w) else {
                     return Err(SimError::Internal(format!(
                         "policy {} chose worker {w} of {}",
                         policy.name, config.workers
                     )));
                 };
+                let chosen = cached_tokens(engine);
                 engine.submit(id, request);
-                outcomes[id as usize].worker = Some(w as u32);
+                let outcome = &mut outcomes[id as usize];
+                outcome.worker = Some(w as u32);
+                outcome.chosen_overlap_tokens = chosen;
+                outcome.best_overlap_tokens = best;
                 if !engine.in_step() && !wake_pending[w] {
                     wake_pending[w] = true;
                     queue.push(t, Event::StepStart(w as u32));
@@ -222,6 +239,7 @@ pub fn run_policy(
         requests: outcomes,
         engines: engines.iter().map(Engine::counters).collect(),
         router: router.diagnostics(),
+        selector_overlap: router.selector_overlap(),
     })
 }
 

@@ -277,3 +277,46 @@ fn the_chart_names_every_policy() {
     assert!(svg.contains("round_robin") && svg.contains("dynamo"));
     assert!(report.to_table().lines().count() == 3);
 }
+
+/// Decision quality (issue 29): one worker is always the best one on offer, so 1 for every policy,
+/// from the engines' caches and from the selector's index alike; on a fleet it is a fraction, and
+/// round robin leaves cached prefixes behind.
+#[test]
+fn decision_quality_is_a_fraction_and_1_with_one_worker() {
+    let workload = shared_prefix_workload(1);
+    let list = "round_robin,cache_aware,dynamo,kvroute,kvroute-approx-ttl";
+    for p in policies(list) {
+        let one = summarize(&run(&workload, &single_unlimited_worker(), &p));
+        assert!(
+            one.best_overlap_tokens > 0,
+            "{}: shared prefixes hit",
+            p.name
+        );
+        assert_eq!(
+            one.chosen_overlap_tokens, one.best_overlap_tokens,
+            "{}",
+            p.name
+        );
+        assert_eq!(one.decision_quality, 1.0, "{}", p.name);
+        let selector_backed = !matches!(p.name, "round_robin" | "cache_aware");
+        assert_eq!(
+            one.selector_decision_quality,
+            selector_backed.then_some(1.0),
+            "{}",
+            p.name
+        );
+        let fleet = summarize(&run(&workload, &small_fleet(), &p));
+        assert!(
+            (0.0..=1.0).contains(&fleet.decision_quality),
+            "{}: {}",
+            p.name,
+            fleet.decision_quality
+        );
+        if let Some(q) = fleet.selector_decision_quality {
+            assert!((0.0..=1.0).contains(&q), "{}: {q}", p.name);
+        }
+        if p.name == "round_robin" {
+            assert!(fleet.decision_quality < 1.0, "{}", fleet.decision_quality);
+        }
+    }
+}

@@ -106,6 +106,12 @@ impl Selector {
         {
             candidates.retain(|(c, _)| c.rank.dp_rank == d);
         }
+        // Decision quality (`Selection::best_gpu_overlap`): from the overlaps already walked.
+        let best_device_blocks = candidates
+            .iter()
+            .map(|(c, _)| c.device_blocks)
+            .max()
+            .unwrap_or(0);
         let chosen = if req.pinned_worker.is_some() {
             // Pinning bypasses scoring: the first (or named) rank of the pinned worker.
             0
@@ -163,6 +169,7 @@ impl Selector {
                 disk: u64::from(candidate.disk_blocks) * bs,
                 dp,
             },
+            best_gpu_overlap: u64::from(best_device_blocks) * bs,
             effective_prefill_tokens: effective_prefill_tokens(
                 hashes.isl_tokens,
                 block_size,

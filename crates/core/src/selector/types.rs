@@ -215,6 +215,19 @@ pub struct Selection {
     pub endpoint: String,
     pub block_size: u32,
     pub overlap: OverlapTokens,
+    /// The largest device overlap, in tokens, any candidate rank held at this selection
+    /// (`overlap.gpu` ≤ this): with `overlap.gpu`, the decision quality of issue 29. Not sent in
+    /// the JSON answer (Dynamo's has no such field); the service counts it in `/metrics`.
+    ///
+    /// The candidates are the ranks the selector was allowed to choose from: the partition's
+    /// schedulable workers after `pinned_worker` / `allowed_worker_ids` (and a pinned
+    /// `dp_rank`), busy ranks included. Ranks the caller excluded are left out, because they
+    /// were never the selector's to pick, and counting them would charge the router with the
+    /// caller's constraints (a pinned rank would look like a bad choice). Busy ranks stay in: the
+    /// busy thresholds and the cost are the selector's own decisions, and a busy rank that holds
+    /// the prompt is exactly the cache reuse its load balancing gave up. Computed from the
+    /// overlaps the selection walked anyway (no second index lookup).
+    pub best_gpu_overlap: u64,
     pub effective_prefill_tokens: u64,
     pub potential_decode_blocks: u64,
     pub worker_load: Option<WorkerLoad>,

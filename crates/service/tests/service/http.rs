@@ -803,3 +803,68 @@ async fn lru_model_over_http_credits_a_repeated_prompt_until_others_push_it_out(
         "{metrics}"
     );
 }
+
+#[tokio::test]
+async fn metrics_count_the_chosen_and_best_overlap_of_every_selection() {
+    let app = with_workers(&[1, 2]).await;
+    let prompt = tokens(17);
+    store(&app, 2, &prompt, Tier::Device);
+    let select = |body: Value| {
+        let app = &app;
+        async move {
+            let r = app.post("/select", body).await;
+            assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+            r.body
+        }
+    };
+    // 1. Advisory, and the holder is picked: 16 of 16, a gap of 0 blocks.
+    let r = select(json!({"token_ids": prompt, "advisory": true})).await;
+    assert_eq!(
+        (&r["worker_id"], &r["overlap"]["gpu"]),
+        (&json!(2), &json!(16))
+    );
+    assert!(
+        r.get("best_gpu_overlap").is_none(),
+        "the JSON answer keeps Dynamo's shape"
+    );
+    // 2. The caller rules the holder out: nothing better was on offer, 0 of 0.
+    select(json!({"token_ids": prompt, "allowed_worker_ids": [1]})).await;
+    // 3. 100 blocks booked on the holder (an unrelated prompt, 0 of 0)...
+    let big: Vec<u32> = (1000..1400).collect();
+    let r = app
+        .post(
+            "/select_and_reserve",
+            json!({"token_ids": big, "pinned_worker": {"worker_id": 2, "dp_rank": 0}}),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    // 4. ...send the prompt to worker 1: 0 of 16, a gap of 4 blocks.
+    let r = select(json!({"token_ids": prompt})).await;
+    assert_eq!(
+        (&r["worker_id"], &r["overlap"]["gpu"]),
+        (&json!(1), &json!(0))
+    );
+    // A failed selection counts nothing.
+    let r = app
+        .post(
+            "/select",
+            json!({"token_ids": prompt, "allowed_worker_ids": []}),
+        )
+        .await;
+    assert_ne!(r.status, StatusCode::OK);
+    let metrics = app.get("/metrics").await.text;
+    let partition = r#"model_name="default",routing_group="default""#;
+    for line in [
+        format!(r#"kvroute_selection_overlap_tokens_total{{{partition},kind="chosen"}} 16"#),
+        format!(r#"kvroute_selection_overlap_tokens_total{{{partition},kind="best"}} 32"#),
+        format!(r#"kvroute_selection_overlap_gap_blocks_count{{{partition}}} 4"#),
+        format!(r#"kvroute_selection_overlap_gap_blocks_sum{{{partition}}} 4.0"#),
+        format!(r#"kvroute_selection_overlap_gap_blocks_bucket{{le="0.0",{partition}}} 3"#),
+        format!(r#"kvroute_selection_overlap_gap_blocks_bucket{{le="2.0",{partition}}} 3"#),
+        format!(r#"kvroute_selection_overlap_gap_blocks_bucket{{le="4.0",{partition}}} 4"#),
+        format!(r#"kvroute_selection_overlap_gap_blocks_bucket{{le="1024.0",{partition}}} 4"#),
+        format!(r#"kvroute_selection_overlap_gap_blocks_bucket{{le="+Inf",{partition}}} 4"#),
+    ] {
+        assert!(metrics.contains(&line), "{line} in\n{metrics}");
+    }
+}
