@@ -64,7 +64,8 @@ pub fn run(config: ServeConfig) -> ExitCode {
             }
         };
         let local = listener.local_addr().unwrap_or(addr);
-        tracing::info!(%local, "kvroute selection service listening");
+        let profile = state.config.router_profile;
+        tracing::info!(%local, %profile, "kvroute selection service listening");
         println!("kvroute listening on http://{local}");
         match http::serve(state, listener, shutdown_signal()).await {
             Ok(()) => {

@@ -457,6 +457,42 @@ mod tests {
         );
     }
 
+    /// Issue 29: one source of truth. `kvroute serve` with no flags, `kvroute.SelectionService()`
+    /// (its `config_from` starts from `ServeConfig::defaults()` and validates it) and
+    /// `kvroute sim --policies kvroute` all run core's default; `--router-profile dynamo` and the
+    /// sim's `dynamo` policy run core's Dynamo profile.
+    #[test]
+    fn serve_python_and_sim_take_their_defaults_from_core() {
+        use kvroute_core::schedule::{RouterProfile, SchedulerConfig};
+        use kvroute_core::selector::SelectorConfig;
+        use kvroute_service::ServeConfig;
+        use kvroute_sim::policy::PolicyKind;
+
+        let serve = ServeConfig::parse_from(["kvroute"]).unwrap().validate();
+        let python = ServeConfig::defaults().validate();
+        assert_eq!(serve, Ok(SelectorConfig::default()));
+        assert_eq!(python, Ok(SelectorConfig::default()));
+        let scheduler_of = |name: &str| {
+            let policies = resolve(name, kvroute_settings(&args(&[]), Duration::ZERO)).unwrap();
+            match policies[0].kind {
+                PolicyKind::Selector(p) => p.scheduler,
+                ref other => panic!("{name} is {other:?}"),
+            }
+        };
+        assert_eq!(scheduler_of("kvroute"), SchedulerConfig::default());
+        assert_eq!(SchedulerConfig::default().profile, RouterProfile::Kvroute);
+
+        let dynamo = SelectorConfig::for_profile(RouterProfile::Dynamo);
+        let serve = ServeConfig::parse_from(["kvroute", "--router-profile", "dynamo"])
+            .unwrap()
+            .validate();
+        let mut python = ServeConfig::defaults();
+        python.router_profile = RouterProfile::Dynamo;
+        assert_eq!(serve, Ok(dynamo));
+        assert_eq!(python.validate(), Ok(dynamo));
+        assert_eq!(scheduler_of("dynamo"), dynamo.scheduler);
+    }
+
     #[test]
     fn a_synthetic_run_writes_identical_reports_for_the_same_seed() {
         let dir = std::env::temp_dir().join(format!("kvroute-sim-cmd-{}", std::process::id()));

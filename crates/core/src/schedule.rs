@@ -12,13 +12,85 @@
 //! Temperature 0 picks the lowest cost, exact ties broken uniformly at random; temperature T > 0
 //! min-max normalises the costs to [0, 1] and samples with p ∝ exp(−cost / T). The random source
 //! is an argument, so tests and the simulator are deterministic.
+//!
+//! The weights are routing preferences. What a select reports and a booking carries as
+//! `effective_prefill_tokens` — the tokens the engine will still compute — depends on the
+//! [`RouterProfile`]: under `kvroute` (the default) it is the prompt minus its cached tokens
+//! weighted by tier as the engine pays for them ([`ENGINE_TIER_WEIGHTS`]), whatever the weights;
+//! under `dynamo` it is Dynamo 1.6.1's formula, in which the routing credit leaks in.
 
 use crate::event::Rank;
 use rand::Rng;
+use std::fmt;
+use std::str::FromStr;
+
+/// Which defaults the router starts from, and how it counts a prompt's effective prefill.
+///
+/// The defaults of every edge (`kvroute serve`, `kvroute.SelectionService()`, the simulator's
+/// `kvroute` and `dynamo` policies) come from [`SchedulerConfig::for_profile`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum RouterProfile {
+    /// kvroute's own weights (prefill-weighted cost, larger cache credit); effective prefill is
+    /// what the engine will compute, independent of the weights.
+    #[default]
+    Kvroute,
+    /// Dynamo 1.6.1's weights and effective-prefill formula, for identical decisions.
+    Dynamo,
+}
+
+impl RouterProfile {
+    /// Every profile, default first.
+    pub const ALL: [RouterProfile; 2] = [RouterProfile::Kvroute, RouterProfile::Dynamo];
+
+    /// The profile's name on the command line and in Python.
+    pub fn name(self) -> &'static str {
+        match self {
+            RouterProfile::Kvroute => "kvroute",
+            RouterProfile::Dynamo => "dynamo",
+        }
+    }
+}
+
+impl fmt::Display for RouterProfile {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for RouterProfile {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        RouterProfile::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| format!("unknown router profile {s:?} (known: kvroute, dynamo)"))
+    }
+}
+
+/// What a cached block saves the engine, by tier (device, host, disk): a device block is not
+/// computed again, a host or disk block costs a transfer. Facts about the engine, not routing
+/// weights; the `kvroute` profile's effective prefill uses them.
+pub const ENGINE_TIER_WEIGHTS: (f64, f64, f64) = (1.0, 0.75, 0.25);
+
+/// `device_w × device + host_w × (host − device) + disk_w × (disk − host)`, over cumulative tiers.
+fn tier_credit(
+    weights: (f64, f64, f64),
+    device_blocks: u32,
+    host_blocks: u32,
+    disk_blocks: u32,
+) -> f64 {
+    let device = f64::from(device_blocks);
+    let host = f64::from(host_blocks.max(device_blocks));
+    let disk = f64::from(disk_blocks.max(host_blocks).max(device_blocks));
+    weights.0 * device + weights.1 * (host - device) + weights.2 * (disk - host)
+}
 
 /// Scheduler weights and thresholds; every one is a service flag.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SchedulerConfig {
+    /// The profile these settings started from; it also picks the effective-prefill formula.
+    pub profile: RouterProfile,
     pub overlap_score_credit: f64,
     pub prefill_load_scale: f64,
     pub host_cache_hit_weight: f64,
@@ -36,9 +108,22 @@ pub struct SchedulerConfig {
     pub busy_prefill_fraction: Option<f64>,
 }
 
-impl Default for SchedulerConfig {
-    fn default() -> Self {
-        Self {
+impl SchedulerConfig {
+    /// A profile's defaults: the one place they are written down.
+    ///
+    /// `dynamo` is Dynamo 1.6.1's (SPEC §6). `kvroute` changes two weights, tuned on the
+    /// simulator (`crates/sim/README.md`):
+    /// - `prefill_load_scale` 32 (Dynamo: 1): in Dynamo's cost a rank's decode blocks (its whole
+    ///   KV footprint, hundreds to thousands of blocks) swamp the prefill term (this prompt's
+    ///   uncached blocks plus the prefill queued there), so the cache credit rarely decides
+    ///   anything and the router mostly balances KV footprint. Time to first token is set by the
+    ///   prefill queue, so the prefill term is weighted up and the decode blocks only break
+    ///   near-ties.
+    /// - `overlap_score_credit` 3 (Dynamo: 1): a cached block is worth more than the compute it
+    ///   saves now — keeping a conversation on the rank that holds it keeps its next turn a hit.
+    pub fn for_profile(profile: RouterProfile) -> Self {
+        let dynamo = Self {
+            profile,
             overlap_score_credit: 1.0,
             prefill_load_scale: 1.0,
             host_cache_hit_weight: 0.75,
@@ -49,7 +134,22 @@ impl Default for SchedulerConfig {
             busy_decode_fraction: None,
             busy_prefill_tokens: None,
             busy_prefill_fraction: None,
+        };
+        match profile {
+            RouterProfile::Dynamo => dynamo,
+            RouterProfile::Kvroute => Self {
+                overlap_score_credit: 3.0,
+                prefill_load_scale: 32.0,
+                ..dynamo
+            },
         }
+    }
+}
+
+impl Default for SchedulerConfig {
+    /// The default profile's settings (`kvroute`).
+    fn default() -> Self {
+        Self::for_profile(RouterProfile::default())
     }
 }
 
@@ -82,14 +182,39 @@ impl SchedulerConfig {
         }
     }
 
-    /// The cache credit, in blocks, of a rank's cumulative tier overlaps.
+    /// The cache credit, in blocks, of a rank's cumulative tier overlaps (routing weights).
     pub fn credit(&self, device_blocks: u32, host_blocks: u32, disk_blocks: u32) -> f64 {
-        let device = f64::from(device_blocks);
-        let host = f64::from(host_blocks.max(device_blocks));
-        let disk = f64::from(disk_blocks.max(host_blocks).max(device_blocks));
-        self.overlap_score_credit * device
-            + self.host_cache_hit_weight * (host - device)
-            + self.disk_cache_hit_weight * (disk - host)
+        tier_credit(
+            (
+                self.overlap_score_credit,
+                self.host_cache_hit_weight,
+                self.disk_cache_hit_weight,
+            ),
+            device_blocks,
+            host_blocks,
+            disk_blocks,
+        )
+    }
+
+    /// The tokens the engine will still prefill for an `isl_tokens` prompt with these cumulative
+    /// tier overlaps: what a select reports and a booking carries. Under the `kvroute` profile
+    /// the cached tokens are weighted by [`ENGINE_TIER_WEIGHTS`], never by the routing weights;
+    /// under `dynamo`, by the routing credit, as Dynamo 1.6.1 does.
+    pub fn effective_prefill_tokens(
+        &self,
+        isl_tokens: u64,
+        block_size: u32,
+        device_blocks: u32,
+        host_blocks: u32,
+        disk_blocks: u32,
+    ) -> u64 {
+        let credit = match self.profile {
+            RouterProfile::Kvroute => {
+                tier_credit(ENGINE_TIER_WEIGHTS, device_blocks, host_blocks, disk_blocks)
+            }
+            RouterProfile::Dynamo => self.credit(device_blocks, host_blocks, disk_blocks),
+        };
+        effective_prefill_tokens(isl_tokens, block_size, credit)
     }
 
     /// The cost of one candidate (lower is better).
@@ -212,8 +337,9 @@ mod tests {
 
     #[test]
     fn documented_example_picks_the_second_rank() {
-        // (prefill blocks, overlap, decode blocks) = (10, 2, 10), (10, 5, 5), (10, 8, 9).
-        let config = SchedulerConfig::default();
+        // (prefill blocks, overlap, decode blocks) = (10, 2, 10), (10, 5, 5), (10, 8, 9), with
+        // Dynamo's weights (SPEC §6).
+        let config = SchedulerConfig::for_profile(RouterProfile::Dynamo);
         let candidates = [candidate(1, 2, 10), candidate(2, 5, 5), candidate(3, 8, 9)];
         let costs: Vec<f64> = candidates
             .iter()
@@ -226,7 +352,7 @@ mod tests {
 
     #[test]
     fn effective_prefill_follows_the_spec_examples() {
-        let config = SchedulerConfig::default();
+        let config = SchedulerConfig::for_profile(RouterProfile::Dynamo);
         // 18 tokens, block 4, 16 cached on the device → 2.
         assert_eq!(effective_prefill_tokens(18, 4, config.credit(4, 4, 4)), 2);
         // The same 16 only on the host: credit 0.75 × 4 blocks = 12 tokens → 18 − 12 = 6 (the
@@ -239,7 +365,7 @@ mod tests {
 
     #[test]
     fn host_and_disk_extensions_are_credited_at_their_weights() {
-        let config = SchedulerConfig::default();
+        let config = SchedulerConfig::for_profile(RouterProfile::Dynamo);
         assert_eq!(config.credit(2, 4, 8), 2.0 + 0.75 * 2.0 + 0.25 * 4.0);
     }
 
@@ -276,7 +402,69 @@ mod tests {
             ..Overrides::default()
         });
         assert_eq!(config.overlap_score_credit, 0.0);
-        assert_eq!(config.prefill_load_scale, 1.0);
+        assert_eq!(config.prefill_load_scale, 32.0);
+        assert_eq!(config.profile, RouterProfile::Kvroute);
+    }
+
+    #[test]
+    fn profiles_have_their_weights_and_kvroute_is_the_default() {
+        let kvroute = SchedulerConfig::for_profile(RouterProfile::Kvroute);
+        let dynamo = SchedulerConfig::for_profile(RouterProfile::Dynamo);
+        assert_eq!(SchedulerConfig::default(), kvroute);
+        assert_eq!(
+            (kvroute.overlap_score_credit, kvroute.prefill_load_scale),
+            (3.0, 32.0)
+        );
+        assert_eq!(
+            (dynamo.overlap_score_credit, dynamo.prefill_load_scale),
+            (1.0, 1.0)
+        );
+        // Everything else is Dynamo's in both.
+        assert_eq!(
+            SchedulerConfig {
+                profile: RouterProfile::Dynamo,
+                overlap_score_credit: 1.0,
+                prefill_load_scale: 1.0,
+                ..kvroute
+            },
+            dynamo
+        );
+        for p in RouterProfile::ALL {
+            assert_eq!(p.name().parse::<RouterProfile>(), Ok(p));
+            assert_eq!(p.to_string(), p.name());
+        }
+        assert_eq!(
+            "fast".parse::<RouterProfile>().unwrap_err(),
+            "unknown router profile \"fast\" (known: kvroute, dynamo)"
+        );
+    }
+
+    #[test]
+    fn routing_weights_never_change_effective_prefill_under_the_kvroute_profile() {
+        // 18 tokens, block 4, 16 on the device: 2 tokens to compute, whatever the credit.
+        for credit in [0.0, 1.0, 3.0, 10.0] {
+            let config = SchedulerConfig {
+                overlap_score_credit: credit,
+                host_cache_hit_weight: 2.0,
+                disk_cache_hit_weight: 2.0,
+                ..SchedulerConfig::default()
+            };
+            assert_eq!(config.effective_prefill_tokens(18, 4, 4, 4, 4), 2);
+            // The same 16 only on the host: 0.75 × 16 = 12 cached → 6; only on disk → 18 − 4.
+            assert_eq!(config.effective_prefill_tokens(18, 4, 0, 4, 4), 6);
+            assert_eq!(config.effective_prefill_tokens(18, 4, 0, 0, 4), 14);
+        }
+        // Dynamo's formula lets the credit in: 3 × 4 blocks × 4 tokens ≥ 18 → 0.
+        let dynamo = SchedulerConfig {
+            overlap_score_credit: 3.0,
+            ..SchedulerConfig::for_profile(RouterProfile::Dynamo)
+        };
+        assert_eq!(dynamo.effective_prefill_tokens(18, 4, 4, 4, 4), 0);
+        assert_eq!(
+            SchedulerConfig::for_profile(RouterProfile::Dynamo)
+                .effective_prefill_tokens(18, 4, 4, 4, 4),
+            2
+        );
     }
 
     #[test]

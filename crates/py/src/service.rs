@@ -124,6 +124,7 @@ impl Core {
 /// The knobs of `kvroute serve` that apply in process (the HTTP-only ones — bind, port, API key,
 /// body limit — do not).
 const KNOBS: &[&str] = &[
+    "profile",
     "selection_cache_ttl_secs",
     "selection_cache_max_entries",
     "selection_cache_max_bytes",
@@ -194,6 +195,11 @@ fn bool_knob(name: &str, value: &Bound<'_, PyAny>) -> PyResult<bool> {
         .map_err(|_| knob_type_error(name, "a bool", value))
 }
 
+/// A cost weight: a number, or None for the profile's value.
+fn weight_knob(name: &str, value: &Bound<'_, PyAny>) -> PyResult<Option<f64>> {
+    optional(value).map(|v| float_knob(name, v)).transpose()
+}
+
 fn optional<'a, 'py>(value: &'a Bound<'py, PyAny>) -> Option<&'a Bound<'py, PyAny>> {
     (!value.is_none()).then_some(value)
 }
@@ -217,12 +223,23 @@ fn apply_knob(config: &mut ServeConfig, name: &str, value: &Bound<'_, PyAny>) ->
             config.selection_cache_max_entries = int_knob(name, value)?
         }
         "selection_cache_max_bytes" => config.selection_cache_max_bytes = int_knob(name, value)?,
-        "overlap_score_credit" => config.overlap_score_credit = float_knob(name, value)?,
-        "prefill_load_scale" => config.prefill_load_scale = float_knob(name, value)?,
-        "host_cache_hit_weight" => config.host_cache_hit_weight = float_knob(name, value)?,
-        "disk_cache_hit_weight" => config.disk_cache_hit_weight = float_knob(name, value)?,
+        "profile" => {
+            let profile: String = value
+                .extract()
+                .map_err(|_| knob_type_error(name, "a str ('kvroute' or 'dynamo')", value))?;
+            config.router_profile = profile.parse().map_err(|_| {
+                PyValueError::new_err(format!(
+                    "profile must be 'kvroute' or 'dynamo' (got {profile:?})"
+                ))
+            })?;
+        }
+        // The weights: None (or leaving one out) keeps the profile's value.
+        "overlap_score_credit" => config.overlap_score_credit = weight_knob(name, value)?,
+        "prefill_load_scale" => config.prefill_load_scale = weight_knob(name, value)?,
+        "host_cache_hit_weight" => config.host_cache_hit_weight = weight_knob(name, value)?,
+        "disk_cache_hit_weight" => config.disk_cache_hit_weight = weight_knob(name, value)?,
         "decode_active_request_weight" => {
-            config.decode_active_request_weight = float_knob(name, value)?
+            config.decode_active_request_weight = weight_knob(name, value)?
         }
         "router_temperature" => config.router_temperature = float_knob(name, value)?,
         "track_prefill_tokens" => config.track_prefill_tokens = bool_knob(name, value)?,
@@ -355,10 +372,12 @@ fn booking_id(
 /// HTTP API; both signs are accepted on input.
 ///
 /// Keyword arguments are the knobs of ``kvroute serve`` (defaults in brackets):
-/// ``selection_cache_ttl_secs`` [120], ``selection_cache_max_entries`` [4096],
-/// ``selection_cache_max_bytes`` [256 MiB], ``overlap_score_credit`` [1.0],
-/// ``prefill_load_scale`` [1.0], ``host_cache_hit_weight`` [0.75], ``disk_cache_hit_weight``
-/// [0.25], ``decode_active_request_weight`` [0], ``router_temperature`` [0],
+/// ``profile`` ['kvroute' | 'dynamo': the weights' defaults, as ``--router-profile``; 'dynamo'
+/// gives Dynamo 1.6.1's decisions], ``selection_cache_ttl_secs`` [120],
+/// ``selection_cache_max_entries`` [4096], ``selection_cache_max_bytes`` [256 MiB], and over the
+/// profile's weights ``overlap_score_credit`` [3; dynamo 1], ``prefill_load_scale`` [32; dynamo
+/// 1], ``host_cache_hit_weight`` [0.75], ``disk_cache_hit_weight`` [0.25],
+/// ``decode_active_request_weight`` [0] (None: the profile's); ``router_temperature`` [0],
 /// ``track_prefill_tokens`` [True], ``busy_decode_fraction``, ``busy_prefill_tokens``,
 /// ``busy_prefill_fraction`` [None], ``active_request_expiry_secs`` [300],
 /// ``max_indexed_blocks`` [2**22 per partition], ``no_kv_events`` [False],

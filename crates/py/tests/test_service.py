@@ -407,6 +407,23 @@ async def test_track_prefill_tokens_and_weights_reach_the_scheduler():
     svc.shutdown()
 
 
+async def test_profile_keeps_routing_weights_out_of_effective_prefill():
+    # Issue 29: overlap credit 3, 18 tokens of which 16 cached: 2 to compute under the default
+    # profile; Dynamo's formula (profile="dynamo") lets the credit in and reports and books 0.
+    for kwargs, want in [({}, 2), ({"profile": "kvroute"}, 2), ({"profile": "dynamo"}, 0)]:
+        svc = await with_workers(1, overlap_score_credit=3, **kwargs)
+        prompt = tokens(18)
+        store(svc, 1, prompt[:16])
+        sel = await svc.select_and_reserve({"token_ids": prompt, "selection_id": "a"})
+        assert (sel["overlap"]["gpu"], sel["effective_prefill_tokens"]) == (16, want), kwargs
+        assert load_of(svc.loads(), 1)["potential_prefill_tokens"] == want, kwargs
+        svc.shutdown()
+    with pytest.raises(ValueError, match="profile must be 'kvroute' or 'dynamo' \\(got \"fast\"\\)"):
+        kvroute.SelectionService(profile="fast")
+    with pytest.raises(TypeError, match="profile must be a str"):
+        kvroute.SelectionService(profile=1)
+
+
 def test_sync_surface_works_without_an_event_loop():
     svc = new_service()
     assert svc.ready() == {"ready": False, "schedulable_workers": 0, "workers": []}

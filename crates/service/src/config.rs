@@ -5,7 +5,7 @@
 use clap::{Args, ValueEnum};
 use kvroute_core::index::IndexConfig;
 use kvroute_core::pending::PendingConfig;
-use kvroute_core::schedule::SchedulerConfig;
+use kvroute_core::schedule::{RouterProfile, SchedulerConfig};
 use kvroute_core::selector::SelectorConfig;
 use std::net::IpAddr;
 use std::time::Duration;
@@ -53,25 +53,33 @@ pub struct ServeConfig {
     #[arg(long, env = "KVROUTE_SELECTION_CACHE_MAX_BYTES", default_value_t = 256 * 1024 * 1024)]
     pub selection_cache_max_bytes: u64,
 
-    /// Weight of a block cached on the device in the cost function.
-    #[arg(long, env = "KVROUTE_OVERLAP_SCORE_CREDIT", default_value_t = 1.0)]
-    pub overlap_score_credit: f64,
-    /// Multiplier of the prefill term of the cost function.
-    #[arg(long, env = "KVROUTE_PREFILL_LOAD_SCALE", default_value_t = 1.0)]
-    pub prefill_load_scale: f64,
-    /// Credit of a block cached on the host (CPU) tier.
-    #[arg(long, env = "KVROUTE_HOST_CACHE_HIT_WEIGHT", default_value_t = 0.75)]
-    pub host_cache_hit_weight: f64,
-    /// Credit of a block cached on disk or external storage.
-    #[arg(long, env = "KVROUTE_DISK_CACHE_HIT_WEIGHT", default_value_t = 0.25)]
-    pub disk_cache_hit_weight: f64,
-    /// Cost of each active request on a rank.
+    /// Where the cost weights' defaults come from: `kvroute` (its own tuned weights; effective
+    /// prefill is what the engine will compute) or `dynamo` (Dynamo 1.6.1's weights and
+    /// formula, for identical decisions). The weight flags below override single values.
     #[arg(
         long,
-        env = "KVROUTE_DECODE_ACTIVE_REQUEST_WEIGHT",
-        default_value_t = 0.0
+        env = "KVROUTE_ROUTER_PROFILE",
+        default_value_t = RouterProfile::default(),
+        value_parser = parse_router_profile()
     )]
-    pub decode_active_request_weight: f64,
+    pub router_profile: RouterProfile,
+    /// Weight of a block cached on the device in the cost function [default: the profile's,
+    /// kvroute 3, dynamo 1].
+    #[arg(long, env = "KVROUTE_OVERLAP_SCORE_CREDIT")]
+    pub overlap_score_credit: Option<f64>,
+    /// Multiplier of the prefill term of the cost function [default: the profile's, kvroute 32,
+    /// dynamo 1].
+    #[arg(long, env = "KVROUTE_PREFILL_LOAD_SCALE")]
+    pub prefill_load_scale: Option<f64>,
+    /// Credit of a block cached on the host (CPU) tier [default: the profile's, 0.75].
+    #[arg(long, env = "KVROUTE_HOST_CACHE_HIT_WEIGHT")]
+    pub host_cache_hit_weight: Option<f64>,
+    /// Credit of a block cached on disk or external storage [default: the profile's, 0.25].
+    #[arg(long, env = "KVROUTE_DISK_CACHE_HIT_WEIGHT")]
+    pub disk_cache_hit_weight: Option<f64>,
+    /// Cost of each active request on a rank [default: the profile's, 0].
+    #[arg(long, env = "KVROUTE_DECODE_ACTIVE_REQUEST_WEIGHT")]
+    pub decode_active_request_weight: Option<f64>,
     /// 0 picks the cheapest rank; above 0 samples ranks with p ∝ exp(−cost/T).
     #[arg(long, env = "KVROUTE_ROUTER_TEMPERATURE", default_value_t = 0.0)]
     pub router_temperature: f64,
@@ -117,6 +125,13 @@ pub struct ServeConfig {
     /// Replica sync over NATS (SPEC §10).
     #[command(flatten)]
     pub sync: crate::sync::SyncConfig,
+}
+
+/// `--router-profile`'s parser: the names of [`RouterProfile::ALL`], listed in `--help`.
+fn parse_router_profile() -> impl clap::builder::TypedValueParser<Value = RouterProfile> {
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(RouterProfile::ALL.map(RouterProfile::name))
+        .try_map(|name| name.parse::<RouterProfile>())
 }
 
 fn finite_non_negative(name: &str, value: f64) -> Result<(), String> {
@@ -165,11 +180,12 @@ impl ServeConfig {
             selection_cache_ttl_secs: 120.0,
             selection_cache_max_entries: 4096,
             selection_cache_max_bytes: 256 * 1024 * 1024,
-            overlap_score_credit: 1.0,
-            prefill_load_scale: 1.0,
-            host_cache_hit_weight: 0.75,
-            disk_cache_hit_weight: 0.25,
-            decode_active_request_weight: 0.0,
+            router_profile: RouterProfile::default(),
+            overlap_score_credit: None,
+            prefill_load_scale: None,
+            host_cache_hit_weight: None,
+            disk_cache_hit_weight: None,
+            decode_active_request_weight: None,
             router_temperature: 0.0,
             track_prefill_tokens: true,
             busy_decode_fraction: None,
@@ -184,18 +200,47 @@ impl ServeConfig {
         }
     }
 
+    /// The scheduler: the profile's weights, with the weight flags that were given over them.
+    fn scheduler(&self) -> SchedulerConfig {
+        let profile = SchedulerConfig::for_profile(self.router_profile);
+        SchedulerConfig {
+            profile: self.router_profile,
+            overlap_score_credit: self
+                .overlap_score_credit
+                .unwrap_or(profile.overlap_score_credit),
+            prefill_load_scale: self
+                .prefill_load_scale
+                .unwrap_or(profile.prefill_load_scale),
+            host_cache_hit_weight: self
+                .host_cache_hit_weight
+                .unwrap_or(profile.host_cache_hit_weight),
+            disk_cache_hit_weight: self
+                .disk_cache_hit_weight
+                .unwrap_or(profile.disk_cache_hit_weight),
+            decode_active_request_weight: self
+                .decode_active_request_weight
+                .unwrap_or(profile.decode_active_request_weight),
+            router_temperature: self.router_temperature,
+            track_prefill_tokens: self.track_prefill_tokens,
+            busy_decode_fraction: self.busy_decode_fraction,
+            busy_prefill_tokens: self.busy_prefill_tokens,
+            busy_prefill_fraction: self.busy_prefill_fraction,
+        }
+    }
+
     /// Checks every knob and builds the selector's configuration.
     pub fn validate(&self) -> Result<SelectorConfig, String> {
+        let scheduler = self.scheduler();
         for (name, value) in [
-            ("overlap-score-credit", self.overlap_score_credit),
-            ("prefill-load-scale", self.prefill_load_scale),
-            ("host-cache-hit-weight", self.host_cache_hit_weight),
-            ("disk-cache-hit-weight", self.disk_cache_hit_weight),
+            ("overlap-score-credit", scheduler.overlap_score_credit),
+            ("prefill-load-scale", scheduler.prefill_load_scale),
+            ("host-cache-hit-weight", scheduler.host_cache_hit_weight),
+            ("disk-cache-hit-weight", scheduler.disk_cache_hit_weight),
             (
                 "decode-active-request-weight",
-                self.decode_active_request_weight,
+                scheduler.decode_active_request_weight,
             ),
-            ("router-temperature", self.router_temperature),
+            ("router-temperature", scheduler.router_temperature),
         ] {
             finite_non_negative(name, value)?;
         }
@@ -239,18 +284,7 @@ impl ServeConfig {
             self.active_request_expiry_secs,
         )?;
         Ok(SelectorConfig {
-            scheduler: SchedulerConfig {
-                overlap_score_credit: self.overlap_score_credit,
-                prefill_load_scale: self.prefill_load_scale,
-                host_cache_hit_weight: self.host_cache_hit_weight,
-                disk_cache_hit_weight: self.disk_cache_hit_weight,
-                decode_active_request_weight: self.decode_active_request_weight,
-                router_temperature: self.router_temperature,
-                track_prefill_tokens: self.track_prefill_tokens,
-                busy_decode_fraction: self.busy_decode_fraction,
-                busy_prefill_tokens: self.busy_prefill_tokens,
-                busy_prefill_fraction: self.busy_prefill_fraction,
-            },
+            scheduler,
             pending: PendingConfig {
                 ttl,
                 max_entries: self.selection_cache_max_entries,
@@ -285,6 +319,44 @@ mod tests {
     }
 
     #[test]
+    fn the_profile_gives_the_weights_and_flags_override_them() {
+        let dynamo = ServeConfig::parse_from(["kvroute", "--router-profile", "dynamo"]).unwrap();
+        assert_eq!(
+            dynamo.validate().unwrap(),
+            SelectorConfig::for_profile(RouterProfile::Dynamo)
+        );
+        let mixed = ServeConfig::parse_from([
+            "kvroute",
+            "--router-profile=dynamo",
+            "--prefill-load-scale=8",
+        ])
+        .unwrap()
+        .validate()
+        .unwrap();
+        assert_eq!(mixed.scheduler.profile, RouterProfile::Dynamo);
+        assert_eq!(
+            (
+                mixed.scheduler.prefill_load_scale,
+                mixed.scheduler.overlap_score_credit
+            ),
+            (8.0, 1.0)
+        );
+        let own = ServeConfig::parse_from(["kvroute", "--overlap-score-credit", "2"])
+            .unwrap()
+            .validate()
+            .unwrap();
+        assert_eq!(
+            (
+                own.scheduler.overlap_score_credit,
+                own.scheduler.prefill_load_scale
+            ),
+            (2.0, 32.0)
+        );
+        let err = ServeConfig::parse_from(["kvroute", "--router-profile", "fast"]).unwrap_err();
+        assert!(err.to_string().contains("kvroute, dynamo"), "{err}");
+    }
+
+    #[test]
     fn invalid_knobs_are_named() {
         let bad = ServeConfig::parse_from(["kvroute", "--router-temperature=-1"]).unwrap();
         assert_eq!(
@@ -296,6 +368,11 @@ mod tests {
             bad.validate()
                 .unwrap_err()
                 .contains("--selection-cache-ttl-secs")
+        );
+        let bad = ServeConfig::parse_from(["kvroute", "--overlap-score-credit=-1"]).unwrap();
+        assert_eq!(
+            bad.validate().unwrap_err(),
+            "--overlap-score-credit must be a finite number ≥ 0 (got -1)"
         );
         assert!(ServeConfig::parse_from(["kvroute", "--port", "70000"]).is_err());
     }

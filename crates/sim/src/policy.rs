@@ -22,7 +22,7 @@ use kvroute_core::approx::CachePolicy;
 use kvroute_core::error::PartitionKey;
 use kvroute_core::event::{KvEvent, StoredBlock};
 use kvroute_core::hash::PromptHashes;
-use kvroute_core::schedule::SchedulerConfig;
+use kvroute_core::schedule::{RouterProfile, SchedulerConfig};
 use kvroute_core::selector::{
     LifecycleCalls, Prompt, SelectRequest, Selector, SelectorConfig, WorkerSpec,
 };
@@ -94,10 +94,11 @@ pub struct Policy {
     pub unavailable: Option<&'static str>,
 }
 
-/// `dynamo`: the selector with Dynamo's defaults (SPEC §6) and exact KV events.
+/// `dynamo`: the selector with Dynamo's defaults (SPEC §6, the `dynamo` router profile) and exact
+/// KV events.
 pub fn dynamo_policy() -> SelectorPolicy {
     SelectorPolicy {
-        scheduler: SchedulerConfig::default(),
+        scheduler: SchedulerConfig::for_profile(RouterProfile::Dynamo),
         kv_events: true,
         predict_blocks_on_route: false,
         prediction_hold: Duration::ZERO,
@@ -105,15 +106,11 @@ pub fn dynamo_policy() -> SelectorPolicy {
     }
 }
 
-/// `kvroute`: the selector with kvroute's own defaults for this simulator. It starts from
-/// `dynamo` and changes three things:
-/// - `prefill_load_scale` 32 (Dynamo: 1): in Dynamo's cost a rank's decode blocks (its whole KV
-///   footprint, hundreds to thousands of blocks) swamp the prefill term (this prompt's uncached
-///   blocks plus the prefill queued there), so the cache credit rarely decides anything and the
-///   router mostly balances KV footprint. Time to first token is set by the prefill queue, so the
-///   prefill term is weighted up and the decode blocks only break near-ties.
-/// - `overlap_score_credit` 3 (Dynamo: 1): a cached block is worth more than the compute it saves
-///   now — keeping a conversation on the rank that holds it keeps its next turn a hit too.
+/// `kvroute`: the selector with kvroute's own defaults. It starts from `dynamo` and changes:
+/// - the scheduler: kvroute-core's default ([`SchedulerConfig::default`], the `kvroute` router
+///   profile, as `kvroute serve` and `kvroute.SelectionService()`): `prefill_load_scale` 32 and
+///   `overlap_score_credit` 3 (the reasons are at [`SchedulerConfig::for_profile`]), effective
+///   prefill counted without the routing credit;
 /// - [`SelectorPolicy::predict_blocks_on_route`]: the prompts just sent count as held before the
 ///   engine's events arrive, so a burst of requests sharing a prefix lands together.
 ///
@@ -122,11 +119,7 @@ pub fn dynamo_policy() -> SelectorPolicy {
 pub fn kvroute_policy(event_delay: Duration) -> SelectorPolicy {
     let dynamo = dynamo_policy();
     SelectorPolicy {
-        scheduler: SchedulerConfig {
-            prefill_load_scale: 32.0,
-            overlap_score_credit: 3.0,
-            ..dynamo.scheduler
-        },
+        scheduler: SchedulerConfig::default(),
         predict_blocks_on_route: true,
         prediction_hold: event_delay,
         ..dynamo

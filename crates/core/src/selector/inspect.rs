@@ -4,7 +4,7 @@
 use super::*;
 use crate::event::Rank;
 use crate::load::RankLoad;
-use crate::schedule::{Overrides, effective_prefill_tokens};
+use crate::schedule::Overrides;
 
 fn ceil_blocks(isl_tokens: u64, block_size: u32) -> u64 {
     isl_tokens.div_ceil(u64::from(block_size.max(1)))
@@ -97,9 +97,14 @@ impl Selector {
             .candidates(&workers, &overlaps, &hashes, block_size)
             .into_iter()
             .map(|(c, _)| {
-                let credit = config.credit(c.device_blocks, c.host_blocks, c.disk_blocks);
                 let added = if config.track_prefill_tokens {
-                    effective_prefill_tokens(hashes.isl_tokens, block_size, credit)
+                    config.effective_prefill_tokens(
+                        hashes.isl_tokens,
+                        block_size,
+                        c.device_blocks,
+                        c.host_blocks,
+                        c.disk_blocks,
+                    )
                 } else {
                     0
                 };

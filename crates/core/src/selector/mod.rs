@@ -44,7 +44,7 @@ use crate::event::WorkerId;
 use crate::index::{IndexConfig, RadixIndex};
 use crate::load::LoadTracker;
 use crate::pending::{PendingCache, PendingConfig};
-use crate::schedule::SchedulerConfig;
+use crate::schedule::{RouterProfile, SchedulerConfig};
 use hashbrown::HashMap;
 use rand::Rng;
 use std::collections::{BTreeMap, BTreeSet};
@@ -66,7 +66,8 @@ pub use types::*;
 /// Prefill capacity reported for a worker whose `max_num_batched_tokens` is unknown (as Dynamo).
 pub const UNKNOWN_PREFILL_CAPACITY: u64 = 10_000_000;
 
-/// Everything the selector can be configured with.
+/// Everything the selector can be configured with. `Default` is the default
+/// [`RouterProfile`]'s configuration, the one every edge starts from.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SelectorConfig {
     pub scheduler: SchedulerConfig,
@@ -93,6 +94,17 @@ impl Default for SelectorConfig {
             approximate_policy: CachePolicy::Ttl,
             no_kv_events: false,
             ttl: TtlConfig::default(),
+        }
+    }
+}
+
+impl SelectorConfig {
+    /// A profile's configuration: its scheduler ([`SchedulerConfig::for_profile`]), the rest
+    /// as [`SelectorConfig::default`].
+    pub fn for_profile(profile: RouterProfile) -> Self {
+        Self {
+            scheduler: SchedulerConfig::for_profile(profile),
+            ..Self::default()
         }
     }
 }

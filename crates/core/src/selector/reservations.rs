@@ -15,7 +15,6 @@ use crate::error::{Error, PartitionKey};
 use crate::event::{Rank, WorkerId};
 use crate::load::{Booking, LoadTracker};
 use crate::pending::PendingKey;
-use crate::schedule::effective_prefill_tokens;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -317,10 +316,10 @@ impl Selector {
                 let overlap = Self::overlaps(p, &hashes)
                     .get(&Rank::new(worker_id, dp_rank))
                     .copied();
-                let credit = overlap.map_or(0.0, |o| {
-                    config.credit(o.device_blocks, o.host_blocks, o.disk_blocks)
+                let (device, host, disk) = overlap.map_or((0, 0, 0), |o| {
+                    (o.device_blocks, o.host_blocks, o.disk_blocks)
                 });
-                effective_prefill_tokens(hashes.isl_tokens, block_size, credit)
+                config.effective_prefill_tokens(hashes.isl_tokens, block_size, device, host, disk)
             }
         };
         let endpoint = record.spec.endpoint.clone().unwrap_or_default();

@@ -8,7 +8,7 @@ use crate::hash::PromptHashes;
 use crate::index::RankOverlap;
 use crate::load::Booking;
 use crate::pending::PendingKey;
-use crate::schedule::{Candidate, effective_prefill_tokens, pick};
+use crate::schedule::{Candidate, pick};
 use std::sync::Arc;
 
 /// Ranks with a non-zero overlap, sorted by rank for lookups by binary search (cheaper than
@@ -132,11 +132,6 @@ impl Selector {
             return Err(Error::NoEndpointsAvailable);
         };
         let bs = u64::from(block_size);
-        let credit = config.credit(
-            candidate.device_blocks,
-            candidate.host_blocks,
-            candidate.disk_blocks,
-        );
         let dp = record
             .spec
             .dp_ranks()
@@ -170,10 +165,12 @@ impl Selector {
                 dp,
             },
             best_gpu_overlap: u64::from(best_device_blocks) * bs,
-            effective_prefill_tokens: effective_prefill_tokens(
+            effective_prefill_tokens: config.effective_prefill_tokens(
                 hashes.isl_tokens,
                 block_size,
-                credit,
+                candidate.device_blocks,
+                candidate.host_blocks,
+                candidate.disk_blocks,
             ),
             potential_decode_blocks: candidate.potential_decode_blocks,
             worker_load,

@@ -306,6 +306,61 @@ fn explicit_form_computes_effective_prefill_from_the_index() {
     );
 }
 
+/// Issue 29: with `overlap_score_credit` 3, a prompt with 2 uncached tokens reports and books 2
+/// effective prefill tokens under the default profile, and 0 (Dynamo's formula) under `dynamo`.
+#[test]
+fn routing_credit_leaks_into_effective_prefill_only_under_the_dynamo_profile() {
+    use crate::schedule::RouterProfile;
+    for (profile, want) in [(RouterProfile::Kvroute, 2), (RouterProfile::Dynamo, 0)] {
+        let mut config = SelectorConfig::for_profile(profile);
+        config.scheduler.overlap_score_credit = 3.0;
+        let mut s = Selector::new(config);
+        s.upsert_worker(spec(1)).unwrap();
+        let prompt = tokens(18);
+        store_prompt(&mut s, 1, &prompt[..16], Tier::Device);
+        let p = partition();
+        let now = Instant::now();
+        let potential = s
+            .potential_loads(&p, tokens_prompt(&prompt), &Overrides::default())
+            .unwrap();
+        assert_eq!(potential[0].potential_prefill_tokens, want, "{profile}");
+        let sel = s
+            .select(&select_req(&p, &prompt, Some("replayed")), now, &mut rng())
+            .unwrap();
+        assert_eq!(sel.overlap.gpu, 16);
+        assert_eq!(sel.effective_prefill_tokens, want, "{profile}: select");
+        s.create_reservation(&ReservationRequest::replay(&p, "replayed"), now)
+            .unwrap();
+        s.select_and_reserve(
+            &select_req(&p, &prompt, None),
+            Some("atomic"),
+            now,
+            &mut rng(),
+        )
+        .unwrap();
+        let explicit = ReservationRequest {
+            worker_id: Some(1),
+            reservation_id: Some("explicit"),
+            selection_id: None,
+            prompt: Some(tokens_prompt(&prompt)),
+            ..ReservationRequest::replay(&p, "unused")
+        };
+        s.create_reservation(&explicit, now).unwrap();
+        for id in ["replayed", "atomic", "explicit"] {
+            let booked = s
+                .load_tracker()
+                .booking(id)
+                .unwrap()
+                .effective_prefill_tokens;
+            assert_eq!(booked, want, "{profile}: {id} books");
+        }
+        assert_eq!(
+            s.loads(Some("m"), None)[0].loads[0].potential_prefill_tokens,
+            3 * want
+        );
+    }
+}
+
 #[test]
 fn error_rows_of_the_spec() {
     let mut s = selector_with(&[1]);

@@ -2,10 +2,12 @@
 //! Dynamo 1.6.1 service (tests/fixtures/dynamo, captured by bench/dynamo/capture.py) is replayed
 //! against kvroute in order. kvroute must answer with the same status and a body with at least
 //! the same fields of the same JSON types — except where SPEC §7.8 (or the issue) makes kvroute
-//! differ on purpose; those exchanges are listed in `DEVIATIONS` with the reason.
+//! differ on purpose; those exchanges are listed in `DEVIATIONS` with the reason. The service
+//! runs with `--router-profile dynamo`, Dynamo's weights and effective-prefill formula.
 
 use crate::common::TestApp;
 use axum::http::Method;
+use kvroute_service::ServeConfig;
 use serde_json::Value;
 use std::path::PathBuf;
 
@@ -178,7 +180,9 @@ async fn kvroute_answers_dynamo_clients_like_dynamo() {
     ] {
         let text = std::fs::read_to_string(fixtures().join(file)).expect("fixture");
         let doc: Value = serde_json::from_str(&text).expect("fixture json");
-        let app = TestApp::new();
+        let config = ServeConfig::parse_from(["kvroute", "--router-profile", "dynamo"])
+            .expect("the dynamo profile");
+        let app = TestApp::with_config(config);
         for ex in doc["exchanges"].as_array().expect("exchanges") {
             let name = ex["name"].as_str().unwrap_or("?");
             let method = Method::from_bytes(ex["method"].as_str().unwrap_or("GET").as_bytes())

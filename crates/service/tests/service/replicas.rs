@@ -516,16 +516,28 @@ async fn serve(app: &TestApp, popular: &[u32], i: u32) {
 
 /// Bookings per worker after `requests` select_and_reserve calls for one popular prefix, split
 /// over two replicas in concurrent pairs; `(max, min)` over the workers.
+///
+/// Under Dynamo's weights (`--router-profile dynamo`), where a rank's decode blocks weigh as much
+/// as the prompt's uncached prefill: the others' bookings are what steers a replica away. (With
+/// kvroute's weights a 32-block hit outweighs hundreds of bookings whose prefill is done, so every
+/// request stays on the cached worker, synced or not.)
 async fn herd(nats: Option<&Nats>, workers: u64, requests: u32) -> (u64, u64) {
+    const DYNAMO: [&str; 2] = ["--router-profile", "dynamo"];
     let mut tasks = Vec::new();
     let (a, b) = match nats {
         Some(nats) => {
-            let a = replica(nats, "a", &[]).await;
-            let b = replica(nats, "b", &[]).await;
+            let a = replica(nats, "a", &DYNAMO).await;
+            let b = replica(nats, "b", &DYNAMO).await;
             tasks.extend([a.tasks, b.tasks]);
             (a.app, b.app)
         }
-        None => (TestApp::new(), TestApp::new()),
+        None => {
+            let app = || {
+                let config = ServeConfig::parse_from(["kvroute"].into_iter().chain(DYNAMO));
+                TestApp::with_config(config.unwrap())
+            };
+            (app(), app())
+        }
     };
     for id in 1..=workers {
         assert_eq!(a.post("/workers", worker(id)).await.status, 201);
