@@ -95,6 +95,9 @@ pub struct Metrics {
     pub kv_restarts: Family<Labels, Counter>,
     /// Listener state per endpoint: 0 connecting, 1 live, 2 replaying, 3 stopped.
     pub kv_listener_state: Family<Labels, Gauge>,
+    /// Decoded KV-event batches queued for the applier and not yet taken by it: the service's
+    /// measure of KV-event lag (0 when the index has taken everything the listeners received).
+    pub kv_apply_queue: Gauge,
     expired_reservations: Counter,
     rank_prefill_tokens: Family<Labels, Gauge>,
     rank_decode_blocks: Family<Labels, Gauge>,
@@ -189,6 +192,12 @@ impl Metrics {
             "Listener state per endpoint: 0 connecting, 1 live, 2 replaying, 3 stopped",
             kv_listener_state.clone(),
         );
+        let kv_apply_queue = Gauge::default();
+        registry.register(
+            "kv_apply_queue_batches",
+            "Decoded KV-event batches waiting for the applier (the KV-event lag: 0 when the index is caught up with what the listeners received)",
+            kv_apply_queue.clone(),
+        );
         let expired_reservations = Counter::default();
         registry.register(
             "expired_reservations",
@@ -269,6 +278,7 @@ impl Metrics {
             kv_gaps,
             kv_restarts,
             kv_listener_state,
+            kv_apply_queue,
             expired_reservations,
             rank_prefill_tokens,
             rank_decode_blocks,

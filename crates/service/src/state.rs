@@ -24,6 +24,9 @@ use std::time::{Duration, Instant};
 /// the stretch rather than at the next timer tick.
 struct SelectorSink {
     queue: std::sync::mpsc::SyncSender<(u64, u32, Vec<KvEvent>)>,
+    /// `kvroute_kv_apply_queue_batches`: raised here before a batch is queued, lowered by the
+    /// applier when it takes one.
+    depth: prometheus_client::metrics::gauge::Gauge,
 }
 
 /// Most blocks applied under one acquisition of the write lock (one event may go past it).
@@ -50,8 +53,13 @@ const APPLY_QUEUE: usize = 1024;
 
 impl EventSink for SelectorSink {
     fn apply(&self, worker_id: u64, dp_rank: u32, events: Vec<KvEvent>) -> bool {
+        self.depth.inc();
         // Fails only once the applier is gone, at shutdown.
-        self.queue.send((worker_id, dp_rank, events)).is_ok()
+        let sent = self.queue.send((worker_id, dp_rank, events)).is_ok();
+        if !sent {
+            self.depth.dec();
+        }
+        sent
     }
 }
 
@@ -227,6 +235,7 @@ fn run_applier(
         Instant::now(),
     );
     while let Ok(first) = queue.recv() {
+        metrics.kv_apply_queue.dec();
         crate::courtesy::woke();
         // The message being applied and its first event not yet applied.
         let mut current = Some((first, 0usize));
@@ -251,7 +260,10 @@ fn run_applier(
                 }
                 *at = end;
                 if end >= events.len() {
-                    current = queue.try_recv().ok().map(|next| (next, 0));
+                    current = queue.try_recv().ok().map(|next| {
+                        metrics.kv_apply_queue.dec();
+                        (next, 0)
+                    });
                 }
             }
             // Hand the lock to the selects waiting for it rather than taking it straight back.
@@ -291,7 +303,10 @@ impl AppState {
         let selector = Arc::new(RwLock::new(Selector::new(selector_config)));
         let metrics = Arc::new(Metrics::new());
         let (queue, receiver) = std::sync::mpsc::sync_channel(APPLY_QUEUE);
-        let sink = Arc::new(SelectorSink { queue });
+        let sink = Arc::new(SelectorSink {
+            queue,
+            depth: metrics.kv_apply_queue.clone(),
+        });
         let applier = Arc::new(ApplierGate::default());
         {
             let selector = Arc::clone(&selector);

@@ -217,3 +217,15 @@ pub async fn metrics(State(state): Shared) -> Response {
 pub async fn openapi() -> Response {
     Json(super::openapi::document()).into_response()
 }
+
+/// The status page (`dashboard.html`, compiled in): it polls `/loads` and `/metrics`.
+pub async fn dashboard() -> Response {
+    (
+        [
+            (axum::http::header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (axum::http::header::CACHE_CONTROL, "no-store"),
+        ],
+        include_str!("dashboard.html"),
+    )
+        .into_response()
+}

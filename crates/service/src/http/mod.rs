@@ -26,6 +26,53 @@ fn is_open_route(path: &str) -> bool {
     matches!(path, "/health" | "/ready" | "/metrics")
 }
 
+/// The key a request offers: `Authorization: Bearer <key>`, or `Authorization: Basic` with the
+/// key as the password (any user name), which is how a browser sends it after the login dialog
+/// `/dashboard` asks for (its 401 carries `WWW-Authenticate: Basic`).
+fn offered_key(headers: &axum::http::HeaderMap) -> Vec<u8> {
+    let Some(value) = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return Vec::new();
+    };
+    if let Some(key) = value.strip_prefix("Bearer ") {
+        return key.as_bytes().to_vec();
+    }
+    value
+        .strip_prefix("Basic ")
+        .and_then(|b| decode_base64(b.trim()))
+        .and_then(|pair| {
+            let colon = pair.iter().position(|&c| c == b':')?;
+            Some(pair[colon + 1..].to_vec())
+        })
+        .unwrap_or_default()
+}
+
+/// Standard base64 (RFC 4648, padding optional); `None` on any other byte.
+fn decode_base64(text: &str) -> Option<Vec<u8>> {
+    let mut out = Vec::with_capacity(text.len() / 4 * 3);
+    let (mut bits, mut n) = (0u32, 0u32);
+    for &c in text.trim_end_matches('=').as_bytes() {
+        let v = match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'+' => 62,
+            b'/' => 63,
+            _ => return None,
+        };
+        bits = (bits << 6) | u32::from(v);
+        n += 6;
+        if n >= 8 {
+            n -= 8;
+            out.push((bits >> n) as u8);
+            bits &= (1 << n) - 1;
+        }
+    }
+    Some(out)
+}
+
 fn keys_match(given: &[u8], expected: &[u8]) -> bool {
     // Compare in time independent of where the first difference is.
     given.len() == expected.len()
@@ -54,6 +101,7 @@ pub mod route {
     pub const DUMP: &str = "/dump";
     pub const METRICS: &str = "/metrics";
     pub const OPENAPI: &str = "/openapi.json";
+    pub const DASHBOARD: &str = "/dashboard";
 }
 
 /// One route [`app`] serves: a method on a path template, and its handler.
@@ -116,6 +164,7 @@ pub const ENDPOINTS: &[Endpoint] = &[
     Endpoint::new(Method::GET, route::DUMP, |m| on(m, dump)),
     Endpoint::new(Method::GET, route::METRICS, |m| on(m, metrics)),
     Endpoint::new(Method::GET, route::OPENAPI, |m| on(m, openapi)),
+    Endpoint::new(Method::GET, route::DASHBOARD, |m| on(m, dashboard)),
 ];
 
 /// The metrics label of a request's route: its template, or `unmatched`.
@@ -150,20 +199,24 @@ async fn guard(State(state): State<Arc<AppState>>, req: Request, next: Next) -> 
         )
         .into_response()
     } else if let (false, Some(key)) = (open, state.config.api_key.as_deref()) {
-        let given = req
-            .headers()
-            .get(axum::http::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .unwrap_or("");
-        if keys_match(given.as_bytes(), key.as_bytes()) {
+        if keys_match(&offered_key(req.headers()), key.as_bytes()) {
             next.run(req).await
         } else {
-            ApiError::new(
+            let mut response = ApiError::new(
                 StatusCode::UNAUTHORIZED,
                 "missing or invalid API key: send `Authorization: Bearer <key>`",
             )
-            .into_response()
+            .into_response();
+            // A browser opening the status page asks for the key (as the password).
+            if req.uri().path() == route::DASHBOARD {
+                response.headers_mut().insert(
+                    axum::http::header::WWW_AUTHENTICATE,
+                    axum::http::HeaderValue::from_static(
+                        "Basic realm=\"kvroute\", charset=\"UTF-8\"",
+                    ),
+                );
+            }
+            response
         }
     } else {
         next.run(req).await
@@ -175,6 +228,39 @@ async fn guard(State(state): State<Arc<AppState>>, req: Request, next: Next) -> 
         start.elapsed().as_secs_f64(),
     );
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{decode_base64, offered_key};
+    use axum::http::{HeaderMap, HeaderValue, header::AUTHORIZATION};
+
+    fn offered(value: &str) -> Vec<u8> {
+        let mut headers = HeaderMap::new();
+        headers.insert(AUTHORIZATION, HeaderValue::from_str(value).unwrap());
+        offered_key(&headers)
+    }
+
+    #[test]
+    fn base64_decodes_with_and_without_padding() {
+        assert_eq!(
+            decode_base64("a3Zyb3V0ZTpzM2NyZXQ=").unwrap(),
+            b"kvroute:s3cret"
+        );
+        assert_eq!(decode_base64("YQ").unwrap(), b"a");
+        assert_eq!(decode_base64("YWI=").unwrap(), b"ab");
+        assert_eq!(decode_base64("").unwrap(), b"");
+        assert!(decode_base64("a-b").is_none());
+    }
+
+    #[test]
+    fn the_key_comes_as_bearer_or_as_the_basic_password() {
+        assert_eq!(offered("Bearer s3cret"), b"s3cret");
+        // "anyone:s3:cret": the password is all after the first colon.
+        assert_eq!(offered("Basic YW55b25lOnMzOmNyZXQ="), b"s3:cret");
+        assert_eq!(offered("Basic bm9jb2xvbg=="), b"");
+        assert_eq!(offered("Digest x"), b"");
+    }
 }
 
 async fn route_not_found() -> Response {

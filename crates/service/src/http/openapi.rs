@@ -256,10 +256,15 @@ pub fn document() -> Value {
             "/health": {"get": {"summary": "Liveness", "responses": {"200": reply("{\"status\":\"ok\"}", schema("Status"))}}},
             "/dump": {"get": {"summary": "The index as stored events, per partition", "responses": {"200": reply("Dump", schema("Dump"))}}},
             "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "text exposition", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
-            "/openapi.json": {"get": {"summary": "This document", "responses": {"200": reply("OpenAPI", json!({"type": "object", "additionalProperties": true}))}}}
+            "/openapi.json": {"get": {"summary": "This document", "responses": {"200": reply("OpenAPI", json!({"type": "object", "additionalProperties": true}))}}},
+            "/dashboard": {"get": {"summary": "The status page: one self-contained HTML page that polls /loads and /metrics. Behind --api-key like the other routes; its 401 asks the browser for the key (WWW-Authenticate: Basic, the key as the password)",
+                "responses": {"200": {"description": "HTML page", "content": {"text/html": {"schema": {"type": "string"}}}},
+                              "401": {"description": "With --api-key and no key: the login challenge", "headers": {"WWW-Authenticate": {"schema": {"type": "string"}, "description": "Basic realm=\"kvroute\""}},
+                                      "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}}}}
         },
         "components": {
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer", "description": "Only when the service runs with --api-key; /health, /ready and /metrics are open"}},
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer", "description": "Only when the service runs with --api-key; /health, /ready and /metrics are open"},
+                                "basic": {"type": "http", "scheme": "basic", "description": "The same key as the password, any user name (what a browser sends for /dashboard)"}},
             "schemas": {
                 "Error": {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}},
                 "RouterConfigOverride": {"type": "object", "properties": {

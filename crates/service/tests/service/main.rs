@@ -1,5 +1,6 @@
 //! Integration tests of kvroute-service, in one test binary (one link instead of one per file):
 //!
+//! - [`dashboard`]: the status page in headless Chromium against a live service.
 //! - [`dynamo_compat`]: the exchanges recorded from Dynamo's selection service, replayed.
 //! - [`http`]: the HTTP service end to end, every error row, limits, shutdown, a real socket.
 //! - [`ingest`]: live KV events from fake engines over real ZeroMQ sockets.
@@ -12,6 +13,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
+mod dashboard;
 mod dynamo_compat;
 mod http;
 mod ingest;

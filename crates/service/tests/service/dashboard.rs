@@ -1,0 +1,485 @@
+//! The status page (`GET /dashboard`) in a real browser: headless Chromium loads it from a live
+//! service on 127.0.0.1, with an API key, workers in two partitions (dp ranks, a fake engine's
+//! KV events, predicted caches) and bookings, and the rendered DOM is held to `GET /loads`.
+//!
+//! Chromium is found at `$KVROUTE_CHROMIUM`, else `chromium` on `PATH`, else
+//! `/usr/bin/chromium`; without it the test fails (`.ci/run` installs the Debian package).
+//! With `KVROUTE_DASHBOARD_SCREENSHOT=<file.png>` it also keeps the service busy for a while and
+//! saves a screenshot of the page there (`docs/dashboard.png` was made so).
+
+use crate::common::TestApp;
+use axum::http::{Method, StatusCode};
+use kvroute_service::{AppState, ServeConfig};
+use kvroute_testkit::fake_engine::FakeEngine;
+use kvroute_wire::Encoding;
+use serde_json::{Value, json};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const KEY: &str = "dash-s3cret";
+const BLOCK: u32 = 16;
+/// The longest the browser may take to load and render the page.
+const BROWSER_TIMEOUT: Duration = Duration::from_secs(90);
+
+fn chromium() -> PathBuf {
+    if let Some(path) = std::env::var_os("KVROUTE_CHROMIUM") {
+        return PathBuf::from(path);
+    }
+    let on_path = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|dir| dir.join("chromium"))
+            .find(|p| p.is_file())
+    });
+    let path = on_path.unwrap_or_else(|| PathBuf::from("/usr/bin/chromium"));
+    assert!(
+        path.is_file(),
+        "the dashboard test needs Chromium and found none (KVROUTE_CHROMIUM, `chromium` on PATH, \
+         /usr/bin/chromium): install it with `apt-get install -y chromium` (.ci/run does)"
+    );
+    path
+}
+
+/// A browser process, killed when dropped (a test that fails half-way leaves none behind).
+struct Browser {
+    child: Child,
+    profile: PathBuf,
+}
+
+impl Drop for Browser {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.profile);
+    }
+}
+
+/// Runs headless Chromium on `url` with `extra` arguments; returns its stdout once it exits,
+/// killing it past [`BROWSER_TIMEOUT`].
+fn run_chromium(url: &str, extra: &[String]) -> String {
+    static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let profile = std::env::temp_dir().join(format!(
+        "kvroute-dashboard-{}-{}",
+        std::process::id(),
+        RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_dir_all(&profile);
+    std::fs::create_dir_all(&profile).unwrap();
+    let out = profile.join("stdout");
+    let child = Command::new(chromium())
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--disable-dev-shm-usage",
+            "--hide-scrollbars",
+        ])
+        .arg(format!("--user-data-dir={}", profile.display()))
+        .args(extra)
+        .arg(url)
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start chromium");
+    let mut browser = Browser { child, profile };
+    let deadline = Instant::now() + BROWSER_TIMEOUT;
+    loop {
+        if let Some(status) = browser.child.try_wait().unwrap() {
+            assert!(status.success(), "chromium exited with {status}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "chromium did not finish within {BROWSER_TIMEOUT:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::fs::read_to_string(&out).unwrap()
+}
+
+/// The value of attribute `name` in an HTML start tag.
+fn attr<'a>(tag: &'a str, name: &str) -> Option<&'a str> {
+    let at = tag.find(&format!(" {name}=\""))? + name.len() + 3;
+    tag[at..].split('"').next()
+}
+
+/// The text of the first element with `data-field="<field>"` in `html` (tags inside removed).
+fn field(html: &str, name: &str) -> Option<String> {
+    let at = html.find(&format!("data-field=\"{name}\""))?;
+    let rest = &html[at..];
+    let content = &rest[rest.find('>')? + 1..];
+    let mut text = String::new();
+    let mut depth = 0usize;
+    let mut in_tag = false;
+    let mut chars = content.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '<' if chars.peek() == Some(&'/') && depth == 0 => break,
+            '<' => {
+                in_tag = true;
+                if chars.peek() == Some(&'/') {
+                    depth -= 1;
+                } else {
+                    depth += 1;
+                }
+            }
+            '>' if in_tag => in_tag = false,
+            c if !in_tag => text.push(c),
+            _ => {}
+        }
+    }
+    Some(text.trim().to_string())
+}
+
+/// A rank's row as the page rendered it.
+#[derive(Debug)]
+struct Row {
+    model_name: String,
+    routing_group: String,
+    worker_id: u64,
+    dp_rank: u64,
+    fields: Vec<(&'static str, String)>,
+    policy: Option<String>,
+}
+
+const NUMBERS: [&str; 3] = [
+    "potential_prefill_tokens",
+    "potential_decode_blocks",
+    "active_requests",
+];
+
+/// Every `<tr class="rank">` of the dumped DOM, with the partition section it sits in.
+fn rows(dom: &str) -> Vec<Row> {
+    let mut out = Vec::new();
+    for section in dom.split("<section class=\"partition\"").skip(1) {
+        let head = &section[..section.find('>').unwrap()];
+        let model_name = attr(head, "data-model-name").unwrap().to_string();
+        let routing_group = attr(head, "data-routing-group").unwrap().to_string();
+        let section = &section[..section.find("</section>").unwrap()];
+        for row in section.split("<tr class=\"rank\"").skip(1) {
+            let tag = &row[..row.find('>').unwrap()];
+            let row = &row[..row.find("</tr>").unwrap()];
+            let mut fields = Vec::new();
+            for name in NUMBERS {
+                fields.push((name, field(row, name).unwrap_or_default()));
+            }
+            let policy = row
+                .find("data-field=\"cache_model\"")
+                .and_then(|at| attr(&row[at - 1..], "data-policy"))
+                .map(str::to_string);
+            out.push(Row {
+                model_name: model_name.clone(),
+                routing_group: routing_group.clone(),
+                worker_id: attr(tag, "data-worker-id").unwrap().parse().unwrap(),
+                dp_rank: attr(tag, "data-dp-rank").unwrap().parse().unwrap(),
+                fields,
+                policy,
+            });
+        }
+    }
+    out
+}
+
+fn bearer() -> String {
+    format!("Bearer {KEY}")
+}
+
+async fn call(app: &TestApp, method: Method, path: &str, body: Option<Value>) -> Value {
+    let auth = bearer();
+    let headers = [("authorization", auth.as_str())];
+    let (ct, bytes) = match &body {
+        Some(b) => (Some("application/json"), serde_json::to_vec(b).unwrap()),
+        None => (None, Vec::new()),
+    };
+    let reply = app.raw(method.clone(), path, ct, bytes, &headers).await;
+    assert!(
+        reply.status.is_success(),
+        "{method} {path}: {} {}",
+        reply.status,
+        reply.text
+    );
+    reply.body
+}
+
+fn prompt(family: u32, len: u32) -> Vec<u32> {
+    (0..len).map(|t| family * 100_000 + t).collect()
+}
+
+/// The service's partitions: worker 1 (dp ranks 0 and 1, KV events from a fake engine each)
+/// and worker 2 (one rank, its cache predicted) in `default`; worker 3 (dp ranks 4 and 5,
+/// predicted) in `llama`/`tenant-b`. Returns the engines, warmed up: each of worker 1's ranks
+/// holds a prompt.
+async fn populate(app: &TestApp) -> Vec<FakeEngine> {
+    let mut engines = Vec::new();
+    for rank in 0..2 {
+        let mut engine = FakeEngine::bind("tcp://127.0.0.1:0", None, Encoding::Array)
+            .await
+            .unwrap();
+        engine.set_data_parallel_rank(Some(rank));
+        engines.push(engine);
+    }
+    let w1 = json!({"worker_id": 1, "endpoint": "http://127.0.0.1:9001", "block_size": BLOCK,
+                    "data_parallel_size": 2, "total_kv_blocks": 4096,
+                    "kv_events_endpoints": {"0": engines[0].pub_endpoint(),
+                                            "1": engines[1].pub_endpoint()}});
+    call(app, Method::POST, "/workers", Some(w1)).await;
+    let w2 = json!({"worker_id": 2, "endpoint": "http://127.0.0.1:9002", "block_size": BLOCK,
+                    "total_kv_blocks": 4096});
+    call(app, Method::POST, "/workers", Some(w2)).await;
+    let w3 = json!({"worker_id": 3, "model_name": "llama", "routing_group": "tenant-b",
+                    "endpoint": "http://127.0.0.1:9003", "block_size": BLOCK,
+                    "data_parallel_start_rank": 4, "data_parallel_size": 2});
+    call(app, Method::POST, "/workers", Some(w3)).await;
+    // Publish until the index has it: the listener is subscribed from then on.
+    for (rank, engine) in engines.iter_mut().enumerate() {
+        let cached = prompt(7 + rank as u32, 256);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            engine
+                .publish_stored(None, &cached, BLOCK, None)
+                .await
+                .unwrap();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let scores = call(
+                app,
+                Method::POST,
+                "/overlap_scores",
+                Some(json!({"token_ids": cached})),
+            )
+            .await;
+            let held = scores["workers"].as_array().unwrap().iter().any(|w| {
+                w["worker_id"] == 1 && w["dp_rank"] == rank && w["device_blocks"].as_u64() > Some(0)
+            });
+            if held {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the KV events of worker 1 rank {rank} never reached the index"
+            );
+        }
+    }
+    engines
+}
+
+/// Bookings in both partitions, one through each lifecycle step, and plain selections.
+async fn book(app: &TestApp, round: u32) {
+    for i in 0..6u32 {
+        let family = if i % 2 == 0 {
+            7 + i % 4 / 2
+        } else {
+            10 + i + round * 10
+        };
+        let body = json!({"token_ids": prompt(family, 200 + 37 * i), "reservation_id": format!("r{round}-{i}"),
+                          "expected_output_tokens": 64 + 16 * i});
+        call(app, Method::POST, "/select_and_reserve", Some(body)).await;
+    }
+    for i in 0..3u32 {
+        let body = json!({"model_name": "llama", "routing_group": "tenant-b",
+                          "token_ids": prompt(50 + i, 96 + 64 * i),
+                          "reservation_id": format!("b{round}-{i}")});
+        call(app, Method::POST, "/select_and_reserve", Some(body)).await;
+    }
+    let r = format!("/reservations/r{round}-1/prefill_complete");
+    call(app, Method::POST, &r, None).await;
+    let r = format!("/reservations/r{round}-2/output_block");
+    call(app, Method::POST, &r, None).await;
+    call(
+        app,
+        Method::DELETE,
+        &format!("/reservations/b{round}-0"),
+        None,
+    )
+    .await;
+    for i in 0..4u32 {
+        let body = json!({"token_ids": prompt(7, 160 + 16 * i)});
+        call(app, Method::POST, "/select", Some(body)).await;
+    }
+}
+
+/// Serves `state` on 127.0.0.1; returns the port and the stop signal.
+async fn serve(state: &Arc<AppState>) -> (u16, tokio::sync::oneshot::Sender<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(kvroute_service::http::serve(
+        Arc::clone(state),
+        listener,
+        async move {
+            let _ = rx.await;
+        },
+    ));
+    (port, tx)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_renders_a_row_per_rank_with_the_loads() {
+    let chromium = chromium();
+    let mut config = ServeConfig::defaults();
+    config.api_key = Some(KEY.into());
+    let app = TestApp::with_config(config);
+    let (port, stop) = serve(&app.state).await;
+
+    // The page is behind the key; its 401 asks a browser for it, as a Basic password.
+    let open = app.get("/dashboard").await;
+    assert_eq!(open.status, StatusCode::UNAUTHORIZED);
+    let basic = "Basic a3Zyb3V0ZTpkYXNoLXMzY3JldA=="; // kvroute:dash-s3cret
+    let page = app
+        .raw(
+            Method::GET,
+            "/dashboard",
+            None,
+            Vec::new(),
+            &[("authorization", basic)],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::OK);
+    assert!(page.text.starts_with("<!DOCTYPE html>"));
+    assert!(
+        !page.text.contains("src=\"http") && !page.text.contains("href=\"http"),
+        "the page loads nothing from elsewhere"
+    );
+
+    let mut engines = populate(&app).await;
+    book(&app, 0).await;
+    let loads = call(&app, Method::GET, "/loads", None).await;
+
+    // The browser logs in with the key in the address, as a user's would after the dialog.
+    let url = format!("http://kvroute:{KEY}@127.0.0.1:{port}/dashboard");
+    let started = Instant::now();
+    let dom = tokio::task::spawn_blocking({
+        let url = url.clone();
+        move || {
+            run_chromium(
+                &url,
+                &["--virtual-time-budget=4000".into(), "--dump-dom".into()],
+            )
+        }
+    })
+    .await
+    .unwrap();
+    let browser_time = started.elapsed();
+    assert!(
+        dom.contains("data-state=\"ready\""),
+        "the page never rendered the service's data ({chromium:?}, {browser_time:?}):\n{dom}"
+    );
+    let rendered = rows(&dom);
+    let mut expected = 0;
+    for partition in loads.as_array().unwrap() {
+        let (model, group) = (
+            partition["model_name"].as_str().unwrap(),
+            partition["routing_group"].as_str().unwrap(),
+        );
+        for load in partition["loads"].as_array().unwrap() {
+            expected += 1;
+            let (worker, rank) = (
+                load["worker_id"].as_u64().unwrap(),
+                load["dp_rank"].as_u64().unwrap(),
+            );
+            let row: Vec<&Row> = rendered
+                .iter()
+                .filter(|r| {
+                    (
+                        r.model_name.as_str(),
+                        r.routing_group.as_str(),
+                        r.worker_id,
+                        r.dp_rank,
+                    ) == (model, group, worker, rank)
+                })
+                .collect();
+            assert_eq!(
+                row.len(),
+                1,
+                "one row for {model}/{group} worker {worker} rank {rank}: {rendered:?}"
+            );
+            for (name, text) in &row[0].fields {
+                assert_eq!(
+                    text.parse::<u64>().ok(),
+                    load[*name].as_u64(),
+                    "{name} of worker {worker} rank {rank}"
+                );
+            }
+            assert_eq!(
+                row[0].policy.as_deref(),
+                load["cache_model"]["policy"].as_str(),
+                "cache model of worker {worker} rank {rank}"
+            );
+        }
+    }
+    assert_eq!(expected, 5, "{loads}");
+    assert_eq!(rendered.len(), expected, "a row per rank and no more");
+    // The bookings show: some rank carries load.
+    assert!(rendered.iter().any(|r| {
+        r.fields
+            .iter()
+            .any(|(n, v)| *n == "active_requests" && v != "0")
+    }));
+    // Decision quality and the listener made it to the page.
+    assert!(dom.contains("data-field=\"quality\""));
+    assert!(
+        dom.contains("class=\"pill live\""),
+        "worker 1's listener is live"
+    );
+    eprintln!("dashboard: chromium rendered the page in {browser_time:?}");
+
+    if let Some(file) = std::env::var_os("KVROUTE_DASHBOARD_SCREENSHOT") {
+        screenshot(&app, &mut engines, &url, Path::new(&file)).await;
+    }
+    let _ = stop.send(());
+}
+
+/// Keeps the service busy (bookings, frees, KV events) while the browser polls the page for a
+/// minute of its virtual time, then saves the screenshot.
+async fn screenshot(app: &TestApp, engines: &mut [FakeEngine], url: &str, file: &Path) {
+    let file = std::path::absolute(file).unwrap();
+    let shot = tokio::task::spawn_blocking({
+        let url = url.to_string();
+        let arg = format!("--screenshot={}", file.display());
+        move || {
+            run_chromium(
+                &url,
+                &[
+                    "--virtual-time-budget=60000".into(),
+                    "--window-size=1280,860".into(),
+                    arg,
+                ],
+            )
+        }
+    });
+    let mut round = 1;
+    while !shot.is_finished() {
+        book(app, round).await;
+        for engine in engines.iter_mut() {
+            let tokens = prompt(1000 + round, 64 + 16 * (round % 8));
+            engine
+                .publish_stored(None, &tokens, BLOCK, None)
+                .await
+                .unwrap();
+        }
+        for i in 0..6u32 {
+            if (round + i) % 3 != 0 {
+                let _ = app
+                    .raw(
+                        Method::DELETE,
+                        &format!("/reservations/r{}-{i}", round - 1),
+                        None,
+                        Vec::new(),
+                        &[("authorization", bearer().as_str())],
+                    )
+                    .await;
+            }
+        }
+        round += 1;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    shot.await.unwrap();
+    assert!(file.is_file(), "no screenshot at {}", file.display());
+    eprintln!("dashboard: screenshot at {}", file.display());
+}
