@@ -423,6 +423,7 @@ async fn the_dashboard_renders_a_row_per_rank_with_the_loads() {
     }));
     // Decision quality and the listener made it to the page.
     assert!(dom.contains("data-field=\"quality\""));
+    assert!(dom.contains("<svg width=\"200\" height=\"36\" data-chart=\"quality\">"));
     assert!(
         dom.contains("class=\"pill live\""),
         "worker 1's listener is live"
@@ -447,7 +448,7 @@ async fn screenshot(app: &TestApp, engines: &mut [FakeEngine], url: &str, file: 
                 &url,
                 &[
                     "--virtual-time-budget=60000".into(),
-                    "--window-size=1280,860".into(),
+                    "--window-size=1280,960".into(),
                     arg,
                 ],
             )
