@@ -230,39 +230,6 @@ async fn guard(State(state): State<Arc<AppState>>, req: Request, next: Next) -> 
     response
 }
 
-#[cfg(test)]
-mod tests {
-    use super::{decode_base64, offered_key};
-    use axum::http::{HeaderMap, HeaderValue, header::AUTHORIZATION};
-
-    fn offered(value: &str) -> Vec<u8> {
-        let mut headers = HeaderMap::new();
-        headers.insert(AUTHORIZATION, HeaderValue::from_str(value).unwrap());
-        offered_key(&headers)
-    }
-
-    #[test]
-    fn base64_decodes_with_and_without_padding() {
-        assert_eq!(
-            decode_base64("a3Zyb3V0ZTpzM2NyZXQ=").unwrap(),
-            b"kvroute:s3cret"
-        );
-        assert_eq!(decode_base64("YQ").unwrap(), b"a");
-        assert_eq!(decode_base64("YWI=").unwrap(), b"ab");
-        assert_eq!(decode_base64("").unwrap(), b"");
-        assert!(decode_base64("a-b").is_none());
-    }
-
-    #[test]
-    fn the_key_comes_as_bearer_or_as_the_basic_password() {
-        assert_eq!(offered("Bearer s3cret"), b"s3cret");
-        // "anyone:s3:cret": the password is all after the first colon.
-        assert_eq!(offered("Basic YW55b25lOnMzOmNyZXQ="), b"s3:cret");
-        assert_eq!(offered("Basic bm9jb2xvbg=="), b"");
-        assert_eq!(offered("Digest x"), b"");
-    }
-}
-
 async fn route_not_found() -> Response {
     ApiError::new(StatusCode::NOT_FOUND, "route not found").into_response()
 }
@@ -310,4 +277,37 @@ pub async fn serve(
             drain_state.begin_shutdown();
         })
         .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{decode_base64, offered_key};
+    use axum::http::{HeaderMap, HeaderValue, header::AUTHORIZATION};
+
+    fn offered(value: &str) -> Vec<u8> {
+        let mut headers = HeaderMap::new();
+        headers.insert(AUTHORIZATION, HeaderValue::from_str(value).unwrap());
+        offered_key(&headers)
+    }
+
+    #[test]
+    fn base64_decodes_with_and_without_padding() {
+        assert_eq!(
+            decode_base64("a3Zyb3V0ZTpzM2NyZXQ=").unwrap(),
+            b"kvroute:s3cret"
+        );
+        assert_eq!(decode_base64("YQ").unwrap(), b"a");
+        assert_eq!(decode_base64("YWI=").unwrap(), b"ab");
+        assert_eq!(decode_base64("").unwrap(), b"");
+        assert!(decode_base64("a-b").is_none());
+    }
+
+    #[test]
+    fn the_key_comes_as_bearer_or_as_the_basic_password() {
+        assert_eq!(offered("Bearer s3cret"), b"s3cret");
+        // "anyone:s3:cret": the password is all after the first colon.
+        assert_eq!(offered("Basic YW55b25lOnMzOmNyZXQ="), b"s3:cret");
+        assert_eq!(offered("Basic bm9jb2xvbg=="), b"");
+        assert_eq!(offered("Digest x"), b"");
+    }
 }

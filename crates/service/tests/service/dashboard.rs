@@ -24,15 +24,17 @@ const BLOCK: u32 = 16;
 const BROWSER_TIMEOUT: Duration = Duration::from_secs(90);
 
 fn chromium() -> PathBuf {
-    if let Some(path) = std::env::var_os("KVROUTE_CHROMIUM") {
-        return PathBuf::from(path);
-    }
-    let on_path = std::env::var_os("PATH").and_then(|paths| {
-        std::env::split_paths(&paths)
-            .map(|dir| dir.join("chromium"))
-            .find(|p| p.is_file())
-    });
-    let path = on_path.unwrap_or_else(|| PathBuf::from("/usr/bin/chromium"));
+    let on_path = || {
+        std::env::var_os("PATH").and_then(|paths| {
+            std::env::split_paths(&paths)
+                .map(|dir| dir.join("chromium"))
+                .find(|p| p.is_file())
+        })
+    };
+    let path = std::env::var_os("KVROUTE_CHROMIUM")
+        .map(PathBuf::from)
+        .or_else(on_path)
+        .unwrap_or_else(|| PathBuf::from("/usr/bin/chromium"));
     assert!(
         path.is_file(),
         "the dashboard test needs Chromium and found none (KVROUTE_CHROMIUM, `chromium` on PATH, \
@@ -342,6 +344,16 @@ async fn the_dashboard_renders_a_row_per_rank_with_the_loads() {
         .await;
     assert_eq!(page.status, StatusCode::OK);
     assert!(page.text.starts_with("<!DOCTYPE html>"));
+    let wrong = app
+        .raw(
+            Method::GET,
+            "/loads",
+            None,
+            Vec::new(),
+            &[("authorization", "Basic a3Zyb3V0ZTpub3BlCg==")], // kvroute:nope
+        )
+        .await;
+    assert_eq!(wrong.status, StatusCode::UNAUTHORIZED);
     assert!(
         !page.text.contains("src=\"http") && !page.text.contains("href=\"http"),
         "the page loads nothing from elsewhere"
