@@ -9,6 +9,7 @@ use clap::Args;
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kvroute_sim::engine::DEFAULT_KV_BLOCKS;
 use kvroute_sim::policy::{SelectorPolicy, kvroute_policy};
+use kvroute_sim::sim::DEFAULT_EVENT_DELAY;
 use kvroute_sim::workload::{
     AgenticSpec, agentic_workload, mooncake_workload, parse_mooncake, synthetic_workload,
 };
@@ -70,8 +71,13 @@ pub struct SimArgs {
     /// Directory for report.json and report.svg (created if missing).
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// Delay between an engine publishing KV events and the router applying them, ms.
-    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
+    /// Delay between an engine publishing KV events and the router applying them, ms (default
+    /// about one engine step; report 0 and 100 too).
+    #[arg(
+        long,
+        default_value_t = DEFAULT_EVENT_DELAY.as_secs_f64() * 1e3,
+        allow_hyphen_values = true
+    )]
     pub event_delay_ms: f64,
     /// Token budget of one engine step.
     #[arg(long, default_value_t = 8192)]
@@ -431,6 +437,17 @@ mod tests {
         assert_eq!(
             sim_config(&args(&[])).unwrap().engine.kv_blocks,
             Some(16_384)
+        );
+        // Issue 29: events lag about one engine step unless told otherwise; 0 is still allowed.
+        assert_eq!(
+            sim_config(&args(&[])).unwrap().event_delay,
+            Duration::from_millis(20)
+        );
+        assert_eq!(
+            sim_config(&args(&["--event-delay-ms", "0"]))
+                .unwrap()
+                .event_delay,
+            Duration::ZERO
         );
         for (bad, knob) in [
             (vec!["--kv-blocks", "lots"], "--kv-blocks"),
