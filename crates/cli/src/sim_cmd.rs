@@ -9,7 +9,10 @@ use clap::Args;
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kvroute_sim::engine::DEFAULT_KV_BLOCKS;
 use kvroute_sim::policy::{SelectorPolicy, kvroute_policy};
-use kvroute_sim::workload::{mooncake_workload, parse_mooncake, synthetic_workload};
+use kvroute_sim::sim::DEFAULT_EVENT_DELAY;
+use kvroute_sim::workload::{
+    AgenticSpec, agentic_workload, mooncake_workload, parse_mooncake, synthetic_workload,
+};
 use kvroute_sim::{
     ArrivalOptions, EngineConfig, Policy, PolicyRun, SimConfig, SimError, SyntheticSpec,
     TimingModel, UnavailablePolicy, Workload, build_report, render_svg, resolve, run_policy,
@@ -30,8 +33,10 @@ pub struct SimArgs {
     /// `hash_ids` of 512-token blocks).
     #[arg(long, conflicts_with = "synthetic")]
     pub trace: Option<PathBuf>,
-    /// Synthetic shared-prefix workload, GROUPSxPROMPTS (the default, 16x64, when no --trace).
-    #[arg(long, value_name = "GROUPSxPROMPTS")]
+    /// Synthetic workload: shared-prefix groups GROUPSxPROMPTS (the default, 16x64, when no
+    /// --trace), or `agentic[:key=value,...]` (multi-turn tool-using sessions, fan-out bursts and
+    /// one-shot requests; keys in crates/sim/README.md).
+    #[arg(long, value_name = "GROUPSxPROMPTS|agentic")]
     pub synthetic: Option<String>,
     /// Simulated workers (one engine each).
     #[arg(long, default_value_t = 8)]
@@ -53,7 +58,8 @@ pub struct SimArgs {
     #[arg(long, default_value_t = 1.0)]
     pub arrival_speedup: f64,
     /// Mean arrival rate, requests per second: rescales a trace's arrivals (instead of
-    /// --arrival-speedup) or sets the synthetic workload's Poisson rate (default 16).
+    /// --arrival-speedup) or sets the synthetic workload's Poisson rate (default 16); with
+    /// `--synthetic agentic`, sessions started per second (default 1).
     #[arg(long)]
     pub rate: Option<f64>,
     /// Seed of every random choice (policies, synthetic workload).
@@ -65,8 +71,13 @@ pub struct SimArgs {
     /// Directory for report.json and report.svg (created if missing).
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// Delay between an engine publishing KV events and the router applying them, ms.
-    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
+    /// Delay between an engine publishing KV events and the router applying them, ms (default
+    /// about one engine step; report 0 and 100 too).
+    #[arg(
+        long,
+        default_value_t = DEFAULT_EVENT_DELAY.as_secs_f64() * 1e3,
+        allow_hyphen_values = true
+    )]
     pub event_delay_ms: f64,
     /// Token budget of one engine step.
     #[arg(long, default_value_t = 8192)]
@@ -198,6 +209,10 @@ pub fn load_workload(args: &SimArgs) -> Result<Workload, String> {
         .map_err(|e| e.to_string());
     }
     let shape = args.synthetic.as_deref().unwrap_or(DEFAULT_SYNTHETIC);
+    if let Some(spec) = AgenticSpec::parse(shape, args.seed) {
+        let spec = spec.map_err(|e| e.to_string())?;
+        return agentic_workload(&spec, args.block_size, &arrival).map_err(|e| e.to_string());
+    }
     let (groups, prompts_per_group) =
         SyntheticSpec::parse_shape(shape).map_err(|e| e.to_string())?;
     let spec = SyntheticSpec {
@@ -423,6 +438,17 @@ mod tests {
             sim_config(&args(&[])).unwrap().engine.kv_blocks,
             Some(16_384)
         );
+        // Issue 29: events lag about one engine step unless told otherwise; 0 is still allowed.
+        assert_eq!(
+            sim_config(&args(&[])).unwrap().event_delay,
+            Duration::from_millis(20)
+        );
+        assert_eq!(
+            sim_config(&args(&["--event-delay-ms", "0"]))
+                .unwrap()
+                .event_delay,
+            Duration::ZERO
+        );
         for (bad, knob) in [
             (vec!["--kv-blocks", "lots"], "--kv-blocks"),
             (vec!["--kv-blocks", "0"], "--kv-blocks"),
@@ -526,5 +552,23 @@ mod tests {
         assert_eq!(report["policies"][2]["name"], "kvroute-approx-ttl");
         assert_eq!(report["requests"], 12);
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn synthetic_agentic_builds_the_seeded_agentic_workload() {
+        let w =
+            load_workload(&args(&["--synthetic", "agentic:sessions=6", "--seed", "4"])).unwrap();
+        assert!(w.name.contains("agentic"), "{}", w.name);
+        assert!(w.requests.iter().all(|r| r.session_id.is_some()));
+        assert_eq!(
+            w,
+            load_workload(&args(&["--synthetic", "agentic:sessions=6", "--seed", "4"])).unwrap()
+        );
+        assert_ne!(
+            w,
+            load_workload(&args(&["--synthetic", "agentic:sessions=6", "--seed", "5"])).unwrap()
+        );
+        let err = load_workload(&args(&["--synthetic", "agentic:bogus=1"])).unwrap_err();
+        assert!(err.contains("bogus"), "{err}");
     }
 }

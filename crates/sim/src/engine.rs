@@ -507,6 +507,7 @@ mod tests {
     fn request(tokens: &[u32], output: u64) -> SimRequest {
         SimRequest {
             arrival_nanos: 0,
+            session_id: None,
             prompt: PromptHashes::from_tokens(tokens, 4, BASE_SEED),
             output_tokens: output,
         }

@@ -9,7 +9,8 @@
 //!   prefill and preemption, and a [`timing`] model for step durations. Engines publish `Stored` /
 //!   `Removed` KV events into the router's index and drive its lifecycle calls.
 //! - [`workload`]: Mooncake JSONL traces (hash ids expanded into deterministic tokens) and
-//!   synthetic shared-prefix groups.
+//!   synthetic shared-prefix groups, and an agentic workload (multi-turn sessions, fan-out
+//!   bursts, one-shot requests; [`workload::agentic`]).
 //! - [`policy`]: round robin, random, least loaded, SGLang-style cache-aware, and the selector with
 //!   Dynamo's defaults (`dynamo`) or kvroute's own (`kvroute`).
 //! - [`sim`]: the event loop ([`sim::run_policy`]).
@@ -41,7 +42,7 @@ pub use policy::{Policy, catalog, resolve};
 pub use report::{Report, UnavailablePolicy, build_report, render_svg};
 pub use sim::{PolicyRun, SimConfig, run_policy};
 pub use timing::TimingModel;
-pub use workload::{ArrivalOptions, SimRequest, SyntheticSpec, Workload};
+pub use workload::{AgenticSpec, ArrivalOptions, SimRequest, SyntheticSpec, Workload};
 
 /// Index of a request in its workload.
 pub type RequestId = u32;

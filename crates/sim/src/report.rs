@@ -5,7 +5,13 @@
 //! - `ttft_ms`, `e2e_ms`: time to first token and end-to-end latency from arrival, virtual
 //!   milliseconds; percentiles by nearest rank.
 //! - `throughput_rps`: completed requests ÷ (last completion − first arrival).
-//! - `load_imbalance`: max ÷ mean of the workers' busy time (1.0 is perfectly even).
+//! - Imbalance, each max ÷ mean over the workers (1.0 is perfectly even; the worst is the number
+//!   of workers, everything on one):
+//!   - `load_imbalance` (`imbalance` in the table): of the workers' busy time (time in steps);
+//!   - `request_imbalance` (`req imb`): of the requests routed to each worker;
+//!   - `prefill_imbalance` (`pf imb`): of the prompt tokens each worker had to compute (prompt −
+//!     cached at first admission, completed requests), the load a cache-aware router piles up
+//!     when it herds requests onto the holder of a prefix.
 //! - `preemptions`: requests the engines evicted from their running batch for lack of KV blocks.
 //! - `decision_quality` (issue 29): Σ over routed requests of the prefix the chosen engine held
 //!   cached at the request's arrival ÷ Σ of the longest prefix any engine held then (every engine
@@ -47,6 +53,8 @@ pub struct PolicyReport {
     pub e2e_ms: LatencyStats,
     pub throughput_rps: f64,
     pub load_imbalance: f64,
+    pub request_imbalance: f64,
+    pub prefill_imbalance: f64,
     pub preemptions: u64,
     pub decision_quality: f64,
     pub chosen_overlap_tokens: u64,
@@ -125,6 +133,17 @@ pub fn decision_quality(totals: OverlapTotals) -> f64 {
     }
 }
 
+/// Max ÷ mean of per-worker values, 1.0 when all are 0.
+pub fn imbalance(values: &[f64]) -> f64 {
+    let mean = values.iter().sum::<f64>() / values.len().max(1) as f64;
+    let max = values.iter().copied().fold(0.0, f64::max);
+    if mean > 0.0 {
+        round(max / mean, 4)
+    } else {
+        1.0
+    }
+}
+
 /// Time to first token of every completed request, milliseconds, sorted.
 pub fn ttfts_ms(run: &PolicyRun) -> Vec<f64> {
     let mut v: Vec<f64> = run
@@ -164,8 +183,18 @@ pub fn summarize(run: &PolicyRun) -> PolicyReport {
         best_tokens: run.requests.iter().map(|r| r.best_overlap_tokens).sum(),
     };
     let busy: Vec<f64> = run.engines.iter().map(|e| e.busy_nanos as f64).collect();
-    let mean_busy = busy.iter().sum::<f64>() / busy.len().max(1) as f64;
-    let max_busy = busy.iter().copied().fold(0.0, f64::max);
+    let mut routed = vec![0.0f64; run.engines.len()];
+    let mut prefill = vec![0.0f64; run.engines.len()];
+    for r in &run.requests {
+        if let Some(w) = r.worker.and_then(|w| usize::try_from(w).ok())
+            && w < routed.len()
+        {
+            routed[w] += 1.0;
+            if r.finished.is_some() {
+                prefill[w] += r.prompt_tokens.saturating_sub(r.cached_tokens) as f64;
+            }
+        }
+    }
     PolicyReport {
         name: run.policy.clone(),
         prefix_hit_rate: if prompt_tokens == 0 {
@@ -180,11 +209,9 @@ pub fn summarize(run: &PolicyRun) -> PolicyReport {
         } else {
             0.0
         },
-        load_imbalance: if mean_busy > 0.0 {
-            round(max_busy / mean_busy, 4)
-        } else {
-            1.0
-        },
+        load_imbalance: imbalance(&busy),
+        request_imbalance: imbalance(&routed),
+        prefill_imbalance: imbalance(&prefill),
         preemptions: run.engines.iter().map(|e| e.preemptions).sum(),
         decision_quality: decision_quality(real),
         chosen_overlap_tokens: real.chosen_tokens,
@@ -233,7 +260,7 @@ impl Report {
     pub fn to_table(&self) -> String {
         let mut out = String::new();
         out.push_str(&format!(
-            "{:<20} {:>8} {:>7} {:>8} {:>10} {:>9} {:>9} {:>9} {:>10} {:>10} {:>8} {:>9} {:>8}\n",
+            "{:<20} {:>8} {:>7} {:>8} {:>10} {:>9} {:>9} {:>9} {:>10} {:>10} {:>10} {:>8} {:>9} {:>7} {:>7} {:>8}\n",
             "policy",
             "hit rate",
             "quality",
@@ -242,10 +269,13 @@ impl Report {
             "TTFT p50",
             "TTFT p90",
             "TTFT p99",
+            "E2E mean",
             "E2E p50",
             "E2E p99",
             "req/s",
             "imbalance",
+            "req imb",
+            "pf imb",
             "preempt"
         ));
         for p in &self.policies {
@@ -253,7 +283,7 @@ impl Report {
                 .selector_decision_quality
                 .map_or_else(|| "—".to_string(), |q| format!("{q:.3}"));
             out.push_str(&format!(
-                "{:<20} {:>7.2}% {:>7.3} {:>8} {:>8.1}ms {:>7.1}ms {:>7.1}ms {:>7.1}ms {:>9.0}ms {:>9.0}ms {:>8.2} {:>9.3} {:>8}\n",
+                "{:<20} {:>7.2}% {:>7.3} {:>8} {:>8.1}ms {:>7.1}ms {:>7.1}ms {:>7.1}ms {:>8.0}ms {:>8.0}ms {:>8.0}ms {:>8.2} {:>9.3} {:>7.3} {:>7.3} {:>8}\n",
                 p.name,
                 p.prefix_hit_rate * 100.0,
                 p.decision_quality,
@@ -262,10 +292,13 @@ impl Report {
                 p.ttft_ms.p50,
                 p.ttft_ms.p90,
                 p.ttft_ms.p99,
+                p.e2e_ms.mean,
                 p.e2e_ms.p50,
                 p.e2e_ms.p99,
                 p.throughput_rps,
                 p.load_imbalance,
+                p.request_imbalance,
+                p.prefill_imbalance,
                 p.preemptions
             ));
         }
@@ -453,5 +486,75 @@ mod tests {
         assert_eq!(q(64, 64), 1.0);
         assert_eq!(q(0, 64), 0.0);
         assert_eq!(q(1, 3), 0.333333);
+    }
+
+    #[test]
+    fn imbalance_is_max_over_mean() {
+        assert_eq!(imbalance(&[1.0, 1.0, 1.0, 1.0]), 1.0);
+        assert_eq!(imbalance(&[4.0, 0.0, 0.0, 0.0]), 4.0);
+        assert_eq!(imbalance(&[3.0, 1.0]), 1.5);
+        assert_eq!(imbalance(&[0.0, 0.0]), 1.0);
+        assert_eq!(imbalance(&[]), 1.0);
+    }
+
+    #[test]
+    fn the_table_shows_every_figure_of_issue_29() {
+        use crate::sim::RequestOutcome;
+        let outcome = |worker, arrival, first, finished, cached| RequestOutcome {
+            worker: Some(worker),
+            arrival,
+            first_token: Some(first),
+            finished: Some(finished),
+            cached_tokens: cached,
+            prompt_tokens: 100,
+            ..RequestOutcome::default()
+        };
+        let run = PolicyRun {
+            policy: "p".into(),
+            requests: vec![
+                outcome(0, 0, 10_000_000, 50_000_000, 0),
+                outcome(0, 0, 20_000_000, 60_000_000, 100),
+                outcome(1, 0, 30_000_000, 70_000_000, 50),
+            ],
+            engines: vec![Default::default(); 3],
+            router: Default::default(),
+            selector_overlap: None,
+        };
+        let p = summarize(&run);
+        // Workers got 2, 1, 0 requests (mean 1) and computed 100, 50, 0 tokens (mean 50).
+        assert_eq!(p.request_imbalance, 2.0);
+        assert_eq!(p.prefill_imbalance, 2.0);
+        assert_eq!(p.e2e_ms.mean, 60.0);
+        assert_eq!(p.ttft_ms.mean, 20.0);
+        let report = Report {
+            trace: "t".into(),
+            workers: 3,
+            requests: 3,
+            block_size: 64,
+            kv_blocks: None,
+            speedup: 1.0,
+            event_delay_ms: 20.0,
+            seed: 0,
+            policies: vec![p],
+            unavailable: Vec::new(),
+        };
+        let table = report.to_table();
+        let header = table.lines().next().unwrap();
+        for column in [
+            "hit rate",
+            "quality",
+            "TTFT mean",
+            "TTFT p50",
+            "TTFT p90",
+            "TTFT p99",
+            "E2E mean",
+            "E2E p99",
+            "imbalance",
+            "req imb",
+            "pf imb",
+        ] {
+            assert!(header.contains(column), "{column}: {header}");
+        }
+        assert!(table.lines().nth(1).unwrap().contains("60ms"), "{table}");
     }
 }

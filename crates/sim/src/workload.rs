@@ -10,6 +10,10 @@
 //!   a system prompt, each has its own question; arrivals are Poisson at a given rate, groups
 //!   interleaved at random (seeded).
 //!
+//! - **Agentic** ([`agentic`], `--synthetic agentic`): tenants with shared system prompts,
+//!   multi-turn sessions whose context grows with each tool output, think times, fan-out bursts
+//!   and one-shot requests, each request tagged with its session.
+//!
 //! Arrival times can be compressed (`arrival_speedup`) or rescaled to a mean rate, and the
 //! workload cut to its first `max_requests` requests.
 
@@ -21,6 +25,9 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use serde::Deserialize;
 use std::io::BufRead;
+
+pub mod agentic;
+pub use agentic::{AgenticSpec, agentic_workload};
 
 /// Tokens per `hash_ids` entry in the Mooncake traces.
 pub const MOONCAKE_BLOCK_TOKENS: usize = 512;
@@ -34,6 +41,9 @@ pub struct SimRequest {
     pub prompt: PromptHashes,
     /// Tokens to generate (at least 1 is generated).
     pub output_tokens: u64,
+    /// The conversation or agent session the request belongs to, when the workload knows it
+    /// (the agentic workload does). Not used by the policies yet.
+    pub session_id: Option<u64>,
 }
 
 /// A workload, ready to replay.
@@ -219,6 +229,13 @@ fn scale_arrivals(timestamps_ms: &[f64], arrival: &ArrivalOptions) -> Vec<Nanos>
         .collect()
 }
 
+fn validate_block_size(block_size: u32) -> Result<(), SimError> {
+    if block_size == 0 {
+        return Err(SimError::invalid("block-size", "must be greater than 0"));
+    }
+    Ok(())
+}
+
 /// Builds a workload from Mooncake rows.
 pub fn mooncake_workload(
     name: &str,
@@ -227,9 +244,7 @@ pub fn mooncake_workload(
     arrival: &ArrivalOptions,
 ) -> Result<Workload, SimError> {
     arrival.validate()?;
-    if block_size == 0 {
-        return Err(SimError::invalid("block-size", "must be greater than 0"));
-    }
+    validate_block_size(block_size)?;
     let rows = &rows[..arrival.max_requests.unwrap_or(rows.len()).min(rows.len())];
     let timestamps: Vec<f64> = rows.iter().map(|r| r.timestamp).collect();
     let arrivals = scale_arrivals(&timestamps, arrival);
@@ -245,6 +260,7 @@ pub fn mooncake_workload(
                 BASE_SEED,
             ),
             output_tokens: row.output_length,
+            session_id: None,
         })
         .collect();
     Ok(Workload {
@@ -322,9 +338,7 @@ pub fn synthetic_workload(
     arrival: &ArrivalOptions,
 ) -> Result<Workload, SimError> {
     arrival.validate()?;
-    if block_size == 0 {
-        return Err(SimError::invalid("block-size", "must be greater than 0"));
-    }
+    validate_block_size(block_size)?;
     if spec.system_prompt_tokens + spec.question_tokens == 0 {
         return Err(SimError::invalid(
             "system-prompt-tokens",
@@ -366,6 +380,7 @@ pub fn synthetic_workload(
             arrival_nanos: (clock_secs * 1e9).round() as Nanos,
             prompt: PromptHashes::from_tokens(&tokens, block_size as usize, BASE_SEED),
             output_tokens: spec.output_tokens,
+            session_id: None,
         });
     }
     Ok(Workload {
