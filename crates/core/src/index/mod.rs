@@ -66,6 +66,16 @@ use walk::Walk;
 /// Default cap on indexed blocks (nodes) per partition.
 pub const DEFAULT_MAX_BLOCKS: usize = 1 << 22;
 
+/// The engine hash under which the selector records a block it predicts a rank will hold (the
+/// prompt it just booked there; `selector/predict.rs`): a bijection of the block's sequence
+/// hash, so a rank has at most one such entry per block, and one an engine would name only by
+/// a 2^-64 chance. [`RadixIndex::dump`] leaves these entries out.
+pub fn predicted_engine_hash(sequence_hash: u64) -> u64 {
+    // Each step is invertible: xor with a constant, multiplication by an odd number, xorshift.
+    let x = (sequence_hash ^ 0x7072_6564_6963_7465).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    x ^ (x >> 29)
+}
+
 /// Hard cap on indexed blocks whatever the configuration (node numbers have 28 bits, and dead
 /// slots waiting for a purge add up to a quarter).
 const MAX_LIVE_NODES: usize = 1 << 26;
@@ -609,6 +619,45 @@ impl RadixIndex {
                 previous_node = Some(node);
             }
         }
+    }
+
+    /// Stores blocks of a rank at the sequence hashes given with them, the first one under the
+    /// block of sequence hash `parent` (which the rank need not hold), instead of chaining them
+    /// under a parent engine hash as a `Stored` event does: how the selector records the blocks
+    /// it predicts (under [`predicted_engine_hash`]). Counted as stores, evictions included.
+    pub fn store_at(
+        &mut self,
+        rank: Rank,
+        parent: Option<u64>,
+        blocks: &[(u64, StoredBlock)],
+        tier: Tier,
+    ) -> ApplyOutcome {
+        let mut outcome = ApplyOutcome::default();
+        let Some(slot) = self.slot_for(rank) else {
+            outcome.rank_capacity_exceeded += 1;
+            return outcome;
+        };
+        let t = tier.index();
+        let mut previous = parent;
+        let mut previous_node = parent.and_then(|p| self.lookup(p));
+        for (sequence_hash, block) in blocks {
+            let keys = (
+                self.hasher.hash_one(*sequence_hash),
+                self.hasher.hash_one(block.engine_hash),
+            );
+            let node = self.store_block(
+                slot,
+                (*sequence_hash, keys),
+                block,
+                (previous, previous_node),
+                t,
+                &mut outcome,
+            );
+            previous = Some(*sequence_hash);
+            previous_node = Some(node);
+        }
+        self.enforce_cap(&mut outcome);
+        outcome
     }
 
     /// Stores one block of a `Stored` event whose sequence hash (chained under the previous
