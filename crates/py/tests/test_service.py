@@ -385,6 +385,7 @@ async def test_configuration_keywords_apply_and_are_validated():
         ({"overlap_score_credit": "1"}, TypeError, "overlap_score_credit must be a number, got str"),
         ({"track_prefill_tokens": 1}, TypeError, "track_prefill_tokens must be a bool, got int"),
         ({"max_indexed_blocks": -1}, ValueError, "max_indexed_blocks is out of range (got -1)"),
+        ({"predicted_ttl_secs": -1}, ValueError, "predicted_ttl_secs must be a number of seconds ≥ 0 (got -1)"),
         ({"replica_sync_port": 5000}, ValueError, "replica_sync_port is not supported in process"),
     ]:
         with pytest.raises(error) as info:

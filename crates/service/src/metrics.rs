@@ -4,7 +4,7 @@
 
 use kvroute_core::index::ApplyOutcome;
 use kvroute_core::pending::PendingCounters;
-use kvroute_core::selector::Selector;
+use kvroute_core::selector::{PredictionCounters, Selector};
 use parking_lot::Mutex;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::encoding::text::encode;
@@ -46,6 +46,14 @@ struct PhaseLabel {
     phase: &'static str,
 }
 
+/// How a predicted block's prediction ended (`kvroute_predicted_blocks_total`).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PredictionLabel {
+    outcome: &'static str,
+}
+
+const PREDICTION_OUTCOMES: [&str; 3] = ["confirmed", "expired", "withdrawn"];
+
 fn latency_histogram() -> Histogram {
     // 20 µs … ~10 s.
     Histogram::new(exponential_buckets(20e-6, 2.0, 20))
@@ -79,6 +87,8 @@ pub struct Metrics {
     approx_blocks: Family<Labels, Gauge>,
     approx_lru: Family<Labels, Counter>,
     approx_seen: Mutex<kvroute_core::approx::LruCounters>,
+    predicted_blocks: Family<PredictionLabel, Counter>,
+    predicted_seen: Mutex<PredictionCounters>,
     /// Replica sync over NATS (`kvroute_sync_*`).
     pub sync: SyncMetrics,
 }
@@ -211,6 +221,17 @@ impl Metrics {
             "LRU model events: evicted blocks, reaped leases, overcapacity allocations, retired leases",
             approx_lru.clone(),
         );
+        let predicted_blocks = Family::<PredictionLabel, Counter>::default();
+        registry.register(
+            "predicted_blocks",
+            "Blocks predicted on route, by how their prediction ended: confirmed by the rank's own Stored, expired (TTL or cap), withdrawn (other events of the rank naming them, a restart, the worker's removal)",
+            predicted_blocks.clone(),
+        );
+        for outcome in PREDICTION_OUTCOMES {
+            predicted_blocks
+                .get_or_create(&PredictionLabel { outcome })
+                .inc_by(0);
+        }
         let sync = SyncMetrics::register(&mut registry);
         Self {
             registry,
@@ -236,6 +257,8 @@ impl Metrics {
             approx_blocks,
             approx_lru,
             approx_seen: Mutex::new(Default::default()),
+            predicted_blocks,
+            predicted_seen: Mutex::new(PredictionCounters::default()),
         }
     }
 
@@ -410,6 +433,20 @@ impl Metrics {
                     .inc_by(current.saturating_sub(previous));
             }
             *seen = lru;
+        }
+        let predicted = selector.prediction_counters();
+        {
+            let mut seen = self.predicted_seen.lock();
+            for (outcome, current, previous) in [
+                ("confirmed", predicted.confirmed, seen.confirmed),
+                ("expired", predicted.expired, seen.expired),
+                ("withdrawn", predicted.withdrawn, seen.withdrawn),
+            ] {
+                self.predicted_blocks
+                    .get_or_create(&PredictionLabel { outcome })
+                    .inc_by(current.saturating_sub(previous));
+            }
+            *seen = predicted;
         }
         let mut out = String::new();
         // Writing into a String cannot fail.
