@@ -87,6 +87,28 @@ impl RadixIndex {
         })
     }
 
+    /// How many leading blocks of a prompt `rank` holds on `tier`: [`Self::holds`] block after
+    /// block up to the first miss, trying the slot after each block's node before the table.
+    pub fn held_prefix(&self, rank: Rank, sequence_hashes: &[u64], tier: Tier) -> usize {
+        let Some(&slot) = self.slot_of.get(&rank) else {
+            return 0;
+        };
+        let bit = 1 << tier.index();
+        let mut previous: Option<u32> = None;
+        for (depth, &s) in sequence_hashes.iter().enumerate() {
+            let node = previous
+                .and_then(|p| self.node_after(p, s))
+                .or_else(|| self.lookup(s));
+            match node {
+                Some(n) if self.nodes.get(n).holders.mask_of(&self.arena, slot) & bit != 0 => {
+                    previous = Some(n);
+                }
+                _ => return depth,
+            }
+        }
+        sequence_hashes.len()
+    }
+
     /// The sequence hash of the block `rank` holds under `engine_hash`, if it holds one.
     pub fn sequence_hash_of(&self, rank: Rank, engine_hash: u64) -> Option<u64> {
         let &slot = self.slot_of.get(&rank)?;

@@ -53,6 +53,43 @@ fn overlap_is_contiguous_from_the_first_block() {
 }
 
 #[test]
+fn blocks_stored_at_their_sequence_hashes_alias_the_engines_and_stay_out_of_the_dump() {
+    let mut index = RadixIndex::default();
+    let a = rank(1, 0);
+    let s = seq(&[1, 2, 3, 4]);
+    index.apply(a, &stored(None, &[(10, 1), (11, 2)], Tier::Device));
+    assert_eq!(index.sequence_hash_of(a, 11), Some(s[1]));
+    assert_eq!(index.sequence_hash_of(rank(2, 0), 11), None);
+    // Blocks 3-4 under block 2 by its sequence hash, and block 2 again (an alias of the engine's).
+    let at = |i: usize| {
+        (
+            s[i],
+            StoredBlock {
+                engine_hash: predicted_engine_hash(s[i]),
+                local_hash: i as u64 + 1,
+            },
+        )
+    };
+    let outcome = index.store_at(a, Some(s[0]), &[at(1), at(2), at(3)], Tier::Device);
+    assert_eq!(outcome.stored_blocks, 3);
+    assert_eq!(index.held_prefix(a, &s, Tier::Device), 4);
+    assert_eq!(index.held_prefix(a, &s, Tier::Host), 0);
+    assert!(index.holds(a, s[3], Tier::Device) && !index.holds(rank(2, 0), s[3], Tier::Device));
+    assert_eq!(
+        index.find_matches(&s).get(a).map(|r| r.device_blocks),
+        Some(4)
+    );
+    assert_eq!((index.block_count(), index.held_pairs()), (4, 5));
+    // The dump shows the engine's two blocks only.
+    assert_eq!(index.dump().len(), 2);
+    // Removing the engine's block 2 keeps the alias: the overlap stays.
+    index.apply(a, &removed(&[11], Tier::Device));
+    assert_eq!(index.held_prefix(a, &s, Tier::Device), 4);
+    index.apply(a, &removed(&[predicted_engine_hash(s[1])], Tier::Device));
+    assert_eq!(index.held_prefix(a, &s, Tier::Device), 1);
+}
+
+#[test]
 fn tiers_are_cumulative() {
     let mut index = RadixIndex::default();
     let a = rank(1, 0);

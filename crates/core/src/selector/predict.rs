@@ -517,8 +517,11 @@ impl Selector {
         let rank = q.rank;
         let mut run: Vec<(u64, StoredBlock)> = Vec::new();
         let mut parent = None;
-        for (i, (&s, &local)) in q.sequence.iter().zip(q.local.iter()).enumerate() {
-            if predictions.is_predicted(rank, s) || index.holds(rank, s, Tier::Device) {
+        // Usually the rank holds a prefix (really or predicted) and none of the rest.
+        let start = index.held_prefix(rank, &q.sequence, Tier::Device);
+        let blocks = q.sequence.iter().zip(q.local.iter()).enumerate();
+        for (i, (&s, &local)) in blocks.skip(start) {
+            if index.holds(rank, s, Tier::Device) || predictions.is_predicted(rank, s) {
                 if !store_run(index, predictions, q, parent, &mut run) {
                     return;
                 }
