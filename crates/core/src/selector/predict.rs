@@ -20,11 +20,14 @@
 //! `effective_prefill_tokens`. Beside it, [`Predictions`] keeps one record per predicted
 //! `(rank, sequence hash)` with its deadline.
 //!
-//! A block is never counted twice. When the engine's `Stored` for a predicted block arrives the
-//! rank has two entries on one node; the holder set is per tier, so the overlap counts the block
-//! once, and the index counts the two entries as aliases, so removing either keeps the other.
-//! The prediction is then removed at once (confirmed): from there on the index holds exactly
-//! what it would hold without prediction, and the engine's later `Removed` drops the block.
+//! A block is never counted twice. When the rank's own `Stored` of a predicted block on the
+//! device arrives, the index gives the engine's entry the predicted entry's place (it adopts it,
+//! `ApplyOutcome::adopted_predictions`): the holders do not change, and from there on the index
+//! holds exactly what it would hold without prediction, so the engine's later `Removed` drops the
+//! block. Should the rank hold the block under another entry too (a host copy, say), the two are
+//! aliases on one node: the holder set is per tier, so the overlap counts the block once, the
+//! index counts the entries, so removing either keeps the other, and the predicted one is removed
+//! when its prediction ends.
 //!
 //! ## How a prediction ends (each block in exactly one of these, counted)
 //! - **confirmed**: the rank's own `Stored` of the block on the device (another rank's events
@@ -46,15 +49,16 @@
 //! ## When it is recorded
 //! Recording changes the index, which a booking under a shared borrow (the edge's read lock: a
 //! replay onto a rank with events, [`LifecycleCalls`](super::LifecycleCalls)) must not. Such a
-//! booking queues its prediction instead (an inner mutex, taken after the others and alone), and
-//! the queue is recorded before anything else touches the index under an exclusive borrow: KV
-//! events ([`Selector::apply_events`]), the tick, `select_and_reserve`, an exclusive booking, a
-//! catalog change. Through a `&mut Selector` (the simulator, tests) that is at once; through a
-//! `RwLock` the booking tries the write lock without waiting (`try_write`) and, when selects hold
-//! it, leaves the queue to the next writer, in the service usually the KV-event applier within a
-//! millisecond, at worst the next tick. The events that follow a booking thus always find its
-//! prediction recorded. The queue holds at most [`PredictConfig::max_blocks`] blocks (the oldest
-//! bookings dropped beyond, uncounted: they were never predicted).
+//! booking queues its prediction instead (an inner mutex, taken alone), and the next exclusive
+//! holder records the queue: before it applies KV events ([`Selector::apply_events`]), before
+//! the tick, `select_and_reserve`, an exclusive booking or a catalog change does anything else,
+//! and after a lifecycle call made under the write lock. Through a `&mut Selector` (the
+//! simulator, tests) that is at once; through a `RwLock` the booking tries the write lock
+//! without waiting (`try_write`) and, when selects hold it, leaves the queue to the next writer,
+//! in the service usually the KV-event applier within a millisecond, at worst the next tick.
+//! The events that follow a booking thus always find its prediction recorded. The queue holds at
+//! most [`PredictConfig::max_blocks`] blocks (the oldest bookings dropped beyond, uncounted: they
+//! were never predicted).
 //!
 //! ## Expiry
 //! [`Selector::tick`] expires what is due; so does every exclusive booking (`select_and_reserve`,
@@ -64,11 +68,12 @@
 //! backwards (each is at least the previous one), so records form a queue: expiry pops its front.
 //!
 //! ## Bounds
-//! At most [`PredictConfig::max_blocks`] predicted blocks in all (2^18 by default, ~40 MiB with
-//! their index entries), the oldest expiring first beyond it. A record is ~40 bytes in the map and
-//! ~48 in the deadline queue; records ended early leave their queue slot until it comes due, and
-//! the queue is compacted when it reaches twice the cap. The partition index's own block cap
-//! applies to predicted blocks as to any.
+//! At most [`PredictConfig::max_blocks`] predicted blocks in all (2^18 by default), the oldest
+//! expiring first beyond it. A record is ~40 bytes in the map and 48 in the deadline queue, which
+//! with table slack and the block's index entry (and node, when no rank held it) comes to about
+//! 150–250 bytes a block: 40–60 MiB at the cap. Records ended early leave their queue slot until
+//! it comes due, and the queue is compacted when it reaches twice the cap. The partition index's
+//! own block cap applies to predicted blocks as to any.
 //!
 //! ## Replicas
 //! Predictions are not replicated: a booking reaches other replicas as today (their load
@@ -344,29 +349,6 @@ fn removal(sequence_hashes: impl IntoIterator<Item = u64>) -> KvEvent {
     }
 }
 
-/// Stores a run of predicted blocks of a queued booking under `parent` and records them;
-/// false when the index refused the rank (too many ranks in the partition).
-fn store_run(
-    index: &mut RadixIndex,
-    predictions: &mut Predictions,
-    q: &Queued,
-    parent: Option<u64>,
-    run: &mut Vec<(u64, StoredBlock)>,
-) -> bool {
-    if run.is_empty() {
-        return true;
-    }
-    let outcome = index.store_at(q.rank, parent, run, Tier::Device);
-    let stored = outcome.rank_capacity_exceeded == 0;
-    if stored {
-        for &(s, _) in run.iter() {
-            predictions.record(q.rank, s, q.at);
-        }
-    }
-    run.clear();
-    stored
-}
-
 /// Applies one event of `rank`, which has predicted blocks, ending the predictions it names.
 /// Returns the event's own outcome (the removal of predicted entries is not counted in it).
 fn apply_event(
@@ -404,7 +386,9 @@ fn apply_event(
                 }
                 previous = Some(s);
             }
-            if !ended.is_empty() {
+            // A device store took the place of the predicted entries it found (the index's
+            // adoption); only what it did not adopt is left to remove.
+            if ended.len() as u64 > outcome.adopted_predictions {
                 index.apply(rank, &removal(ended));
             }
             outcome
@@ -515,30 +499,35 @@ impl Selector {
         let index = &mut partition.index;
         let predictions = exclusive(&mut self.predictions);
         let rank = q.rank;
-        let mut run: Vec<(u64, StoredBlock)> = Vec::new();
-        let mut parent = None;
-        // Usually the rank holds a prefix (really or predicted) and none of the rest.
+        // Usually the rank holds a prefix (really or predicted) and none of the rest; the index
+        // skips any other block it holds on the device.
         let start = index.held_prefix(rank, &q.sequence, Tier::Device);
-        let blocks = q.sequence.iter().zip(q.local.iter()).enumerate();
-        for (i, (&s, &local)) in blocks.skip(start) {
-            if index.holds(rank, s, Tier::Device) || predictions.is_predicted(rank, s) {
-                if !store_run(index, predictions, q, parent, &mut run) {
-                    return;
-                }
-                continue;
-            }
-            if run.is_empty() {
-                parent = i.checked_sub(1).map(|p| q.sequence[p]);
-            }
-            run.push((
-                s,
-                StoredBlock {
-                    engine_hash: predicted_engine_hash(s),
-                    local_hash: local,
-                },
-            ));
+        if start == q.sequence.len() {
+            return;
         }
-        store_run(index, predictions, q, parent, &mut run);
+        let blocks: Vec<(u64, StoredBlock)> = q.sequence[start..]
+            .iter()
+            .zip(&q.local[start..])
+            .map(|(&s, &local_hash)| {
+                let engine_hash = predicted_engine_hash(s);
+                (
+                    s,
+                    StoredBlock {
+                        engine_hash,
+                        local_hash,
+                    },
+                )
+            })
+            .collect();
+        let parent = start.checked_sub(1).map(|p| q.sequence[p]);
+        let mut stored = Vec::with_capacity(blocks.len());
+        index.store_at(rank, parent, &blocks, Tier::Device, &mut stored);
+        for s in stored {
+            // A record whose entry the index's cap evicted keeps its deadline.
+            if !predictions.is_predicted(rank, s) {
+                predictions.record(rank, s, q.at);
+            }
+        }
     }
 
     /// Removes the index entries of predictions whose records have ended.

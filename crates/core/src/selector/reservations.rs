@@ -101,7 +101,8 @@ mod hold {
     }
 
     /// The read lock is released before the write lock is taken. A prediction the shared part
-    /// queued is recorded if the write lock is free at once; else by its next holder.
+    /// queued is recorded if the write lock is free at once, else by its next holder; under the
+    /// write lock, after the call.
     impl Hold for &parking_lot::RwLock<Selector> {
         fn run<T>(
             self,
@@ -119,7 +120,12 @@ mod hold {
                     }
                     Ok(done)
                 }
-                None => exclusive(&mut self.write()),
+                None => {
+                    let mut selector = self.write();
+                    let done = exclusive(&mut selector)?;
+                    selector.settle_predictions();
+                    Ok(done)
+                }
             }
         }
     }
