@@ -9,8 +9,9 @@
 //! of a cached selection and an explicit booking. A rank without events has the approximate
 //! cache models of SPEC §9 instead (`events.rs`), which predict from the same bookings, so they
 //! are not doubled up here. A plain `select` books nothing and predicts nothing. Blocks the rank
-//! already holds on the device, or holds predicted, are left alone: only the rest is predicted,
-//! in runs of consecutive blocks.
+//! already holds on the device, or holds predicted, are left alone: only the rest is predicted
+//! (`RadixIndex::held_prefix` finds the held prefix in one walk, `RadixIndex::store_at` skips
+//! any other held block).
 //!
 //! ## How a prediction is held
 //! In the partition's [`RadixIndex`], as a device-tier store of the rank under the engine hash

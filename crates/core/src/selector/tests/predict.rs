@@ -2,6 +2,7 @@
 //! rank's events confirm or withdraw it, or its TTL passes; never counted twice; bounded.
 
 use super::*;
+use std::sync::Arc;
 
 const TTL: Duration = DEFAULT_PREDICTED_TTL;
 
@@ -469,4 +470,60 @@ fn a_ttl_of_zero_disables_prediction_and_modelled_ranks_never_predict() {
         (4, 4),
         "the TTL model's prediction"
     );
+}
+
+#[test]
+fn another_replicas_booking_counts_as_load_only() {
+    let now = Instant::now();
+    let prompt = tokens(16);
+    let mut s = events_selector_with(SelectorConfig::default(), &[1]);
+    let state = SyncedBooking {
+        worker_id: 1,
+        dp_rank: 0,
+        block_size: BS,
+        sequence_hashes: Arc::from(hashes(&prompt).sequence),
+        isl_tokens: 16,
+        effective_prefill_tokens: 16,
+        expected_output_tokens: None,
+        track_prefill_tokens: true,
+        prefill_complete: false,
+        output_blocks: 0,
+        decode_blocks: 4,
+    };
+    s.apply_synced_booking(BookingOwner::Remote("r2"), "a", &state, now)
+        .unwrap();
+    assert_eq!(s.load_tracker().len(), 1);
+    assert_eq!(s.prediction_counters(), PredictionCounters::default());
+    assert_eq!(overlap(&s, 1, &prompt), (0, 0));
+}
+
+#[test]
+fn concurrent_replays_through_a_lock_predict_every_block_once() {
+    let p = partition();
+    let now = Instant::now();
+    let lock = parking_lot::RwLock::new(events_selector_with(SelectorConfig::default(), &[1, 2]));
+    thread::scope(|scope| {
+        for t in 0..4u32 {
+            let (lock, p) = (&lock, &p);
+            scope.spawn(move || {
+                for i in 0..50u32 {
+                    let prompt: Vec<u32> = ((t * 50 + i) * 100..(t * 50 + i) * 100 + 16).collect();
+                    let id = format!("t{t}-{i}");
+                    let mut rng = SmallRng::seed_from_u64(u64::from(t * 50 + i));
+                    lock.read()
+                        .select(&select_req(p, &prompt, Some(&id)), now, &mut rng)
+                        .unwrap();
+                    lock.create_reservation(&ReservationRequest::replay(p, &id), now)
+                        .unwrap();
+                }
+            });
+        }
+    });
+    let mut s = lock.write();
+    s.settle_predictions();
+    assert_eq!(s.predicted_blocks(), 4 * 50 * 4);
+    assert_eq!(s.prediction_counters(), counters(800, 0, 0, 0));
+    assert_eq!(sizes(&s), (800, 800));
+    s.tick(now + TTL);
+    assert_eq!(sizes(&s), (0, 0));
 }
