@@ -630,9 +630,9 @@ impl RadixIndex {
     }
 
     /// Stores those of `blocks` the rank does not already hold on `tier`, at the sequence hashes
-    /// given with them, the first one under the block of sequence hash `parent` (which the rank need
-    /// not hold), instead of chaining them under a parent engine hash as a `Stored` event does:
-    /// how the selector records the blocks it predicts (under [`predicted_engine_hash`]).
+    /// given with them, the first one under the block of sequence hash `parent` (which the rank
+    /// need not hold), instead of chaining them under a parent engine hash as a `Stored` event
+    /// does: how the selector records the blocks it predicts (under [`predicted_engine_hash`]).
     /// Appends the sequence hashes of the blocks it stored to `stored`. Counted as stores,
     /// evictions included.
     pub fn store_at(

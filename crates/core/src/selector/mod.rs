@@ -19,7 +19,7 @@
 //! | `reservations.rs` | bookings and their lifecycle calls ([`LifecycleCalls`]) |
 //! | `inspect.rs` | read-only views: `/loads`, `/potential_loads`, `/overlap_scores`, `/dump` |
 //! | `sync.rs` | bookings shared between replicas (SPEC §10) |
-//! | `predict.rs` | predict-on-route: a booked prompt's blocks held on the chosen rank until its events come |
+//! | `predict.rs` | predict-on-route: a booked prompt held on its rank until its events come |
 //!
 //! ## Lock discipline
 //! The selector is plain data. An edge that serves concurrent requests wraps it in one
@@ -35,11 +35,11 @@
 //! Inner mutexes are taken in one order — load tracker, LRU model, pending cache — and never
 //! while waiting for the selector's lock; the queue of predictions (`predict.rs`), which a
 //! booking under the shared lock fills because it cannot change the index, is taken alone.
-//! Whoever next holds the selector exclusively records it first. Prompts are hashed by the edge before it takes any
-//! lock ([`Prompt::Hashes`]), so the critical sections are the index lookup, the scoring and the
-//! booking. A replay peeks, books and removes its pending entry while holding the load tracker's
-//! mutex, so two concurrent replays of one selection book at most once and the second one finds
-//! no entry.
+//! Whoever next holds the selector exclusively records it first. Prompts are hashed by the edge
+//! before it takes any lock ([`Prompt::Hashes`]), so the critical sections are the index lookup,
+//! the scoring and the booking. A replay peeks, books and removes its pending entry while
+//! holding the load tracker's mutex, so two concurrent replays of one selection book at most once
+//! and the second one finds no entry.
 
 use crate::approx::{CachePolicy, LruConfig, LruModel, TtlConfig, TtlModel};
 use crate::error::{Error, PartitionKey};

@@ -279,10 +279,10 @@ impl Selector {
         Ok(plan.reservation)
     }
 
-    /// [`LifecycleCalls::create_reservation`] under the shared lock: a replay onto a rank whose cache is
-    /// known from KV events books here and queues its prediction (`predict.rs`); the explicit
-    /// form and a replay onto a modelled rank answer `None` having changed nothing (the explicit
-    /// form discards the cached selection, which the exclusive call does again first).
+    /// [`LifecycleCalls::create_reservation`] under the shared lock: a replay onto a rank whose
+    /// cache is known from KV events books here and queues its prediction (`predict.rs`); the
+    /// explicit form and a replay onto a modelled rank answer `None` having changed nothing (the
+    /// explicit form discards the cached selection, which the exclusive call does again first).
     pub(super) fn create_reservation_shared(
         &self,
         req: &ReservationRequest<'_>,
