@@ -7,6 +7,7 @@
 
 use clap::Args;
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
+use kvroute_core::selector::PredictConfig;
 use kvroute_sim::engine::DEFAULT_KV_BLOCKS;
 use kvroute_sim::policy::{SelectorPolicy, kvroute_policy};
 use kvroute_sim::sim::DEFAULT_EVENT_DELAY;
@@ -125,7 +126,8 @@ pub struct SimArgs {
     /// `kvroute` policy: softmax temperature of the pick (0 = lowest cost).
     #[arg(long)]
     pub kvroute_temperature: Option<f64>,
-    /// `kvroute` policy: record a booked prompt's blocks on the chosen worker before its events.
+    /// `kvroute` policy: predict a booked prompt's blocks on the chosen worker until its events
+    /// confirm them or the core's TTL (2 s) passes.
     #[arg(long)]
     pub kvroute_predict_blocks: Option<bool>,
     /// Policies simulated in parallel (default: the machine's cores).
@@ -290,9 +292,9 @@ fn run_all(
         .collect()
 }
 
-/// The `kvroute` policy: its defaults for this event delay, with the `--kvroute-*` overrides.
-pub fn kvroute_settings(args: &SimArgs, event_delay: Duration) -> SelectorPolicy {
-    let mut policy = kvroute_policy(event_delay);
+/// The `kvroute` policy: its defaults with the `--kvroute-*` overrides.
+pub fn kvroute_settings(args: &SimArgs) -> SelectorPolicy {
+    let mut policy = kvroute_policy();
     let s = &mut policy.scheduler;
     if let Some(v) = args.kvroute_overlap_score_credit {
         s.overlap_score_credit = v;
@@ -307,7 +309,11 @@ pub fn kvroute_settings(args: &SimArgs, event_delay: Duration) -> SelectorPolicy
         s.router_temperature = v;
     }
     if let Some(v) = args.kvroute_predict_blocks {
-        policy.predict_blocks_on_route = v;
+        policy.predicted_ttl = if v {
+            PredictConfig::default().ttl
+        } else {
+            Duration::ZERO
+        };
     }
     policy
 }
@@ -315,7 +321,7 @@ pub fn kvroute_settings(args: &SimArgs, event_delay: Duration) -> SelectorPolicy
 fn run_inner(args: &SimArgs) -> Result<(), String> {
     let started = Instant::now();
     let config = sim_config(args)?;
-    let kvroute = kvroute_settings(args, config.event_delay);
+    let kvroute = kvroute_settings(args);
     let requested = resolve(&args.policies, kvroute).map_err(|e| e.to_string())?;
     let (runnable, unavailable): (Vec<Policy>, Vec<Policy>) =
         requested.into_iter().partition(|p| p.unavailable.is_none());
@@ -474,13 +480,10 @@ mod tests {
             "--kvroute-predict-blocks",
             "false",
         ]);
-        let k = kvroute_settings(&a, Duration::ZERO);
+        let k = kvroute_settings(&a);
         assert_eq!(k.scheduler.prefill_load_scale, 3.0);
-        assert!(!k.predict_blocks_on_route);
-        assert_eq!(
-            kvroute_settings(&args(&[]), Duration::ZERO),
-            kvroute_policy(Duration::ZERO)
-        );
+        assert_eq!(k.predicted_ttl, Duration::ZERO);
+        assert_eq!(kvroute_settings(&args(&[])), kvroute_policy());
     }
 
     /// Issue 29: one source of truth. `kvroute serve` with no flags, `kvroute.SelectionService()`
@@ -499,7 +502,7 @@ mod tests {
         assert_eq!(serve, Ok(SelectorConfig::default()));
         assert_eq!(python, Ok(SelectorConfig::default()));
         let scheduler_of = |name: &str| {
-            let policies = resolve(name, kvroute_settings(&args(&[]), Duration::ZERO)).unwrap();
+            let policies = resolve(name, kvroute_settings(&args(&[]))).unwrap();
             match policies[0].kind {
                 PolicyKind::Selector(p) => p.scheduler,
                 ref other => panic!("{name} is {other:?}"),

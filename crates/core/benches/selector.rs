@@ -1,6 +1,7 @@
 //! Full in-process selection benches: `select` of a 131,072-token prompt (hash + find_matches +
 //! schedule) against 1,000 ranks whose caches hold random-length prefixes of it plus trace
-//! chains, and the `select` → `create_reservation` (replay) → `free` cycle per request.
+//! chains, and the `select` → `create_reservation` (replay) → `free` cycle per request; with the
+//! engine's events too, predict-on-route off and on (`cycle_with_events_*`).
 //! Besides criterion's figures it prints p50/p99 over 2,000 timed selects.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 // A bench reads the clock (the core's `now` arguments, its own timings).
@@ -15,15 +16,17 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use common::{BLOCK_SIZE, fleet_events, scaled, store_event, trace_prompts};
 use criterion::{Criterion, criterion_group, criterion_main};
 use kvroute_core::error::PartitionKey;
-use kvroute_core::event::Rank;
-use kvroute_core::hash::{BASE_SEED, local_hashes};
+use kvroute_core::event::{KvEvent, Rank, StoredBlock, Tier};
+use kvroute_core::hash::{BASE_SEED, PromptHashes, local_hashes};
 use kvroute_core::selector::{
-    LifecycleCalls, Prompt, ReservationRequest, SelectRequest, Selector, WorkerSpec,
+    LifecycleCalls, PredictConfig, Prompt, ReservationRequest, SelectRequest, Selector,
+    SelectorConfig, WorkerSpec,
 };
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use std::collections::HashSet;
 use std::hint::black_box;
+use std::time::Duration;
 use std::time::Instant;
 
 const PROMPT_TOKENS: usize = 131_072;
@@ -40,8 +43,8 @@ fn long_prompt() -> Vec<u32> {
         .collect()
 }
 
-fn fleet(prompt: &[u32]) -> Selector {
-    let mut selector = Selector::default();
+fn fleet(prompt: &[u32], config: SelectorConfig) -> Selector {
+    let mut selector = Selector::new(config);
     for w in 0..ranks() {
         selector
             .upsert_worker(WorkerSpec {
@@ -78,7 +81,7 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 
 fn bench_select(c: &mut Criterion) {
     let prompt = long_prompt();
-    let mut selector = fleet(&prompt);
+    let mut selector = fleet(&prompt, SelectorConfig::default());
     let partition = PartitionKey::new("m", "g");
     let mut rng = SmallRng::seed_from_u64(1);
     let request = SelectRequest::new(
@@ -144,5 +147,70 @@ fn bench_select(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, bench_select);
+/// A request's whole cycle as the service sees it, the engine's events included: select (a
+/// prompt of 8,192 tokens, its first half a prefix the fleet holds in part, its second half new),
+/// replay, the engine's `Stored` of the blocks it lacked, free, and (to keep the index's size) the
+/// engine's `Removed` of them. With predict-on-route the replay also records the new blocks and
+/// the `Stored` confirms them.
+fn bench_cycle_with_events(c: &mut Criterion) {
+    let prompt = long_prompt();
+    for (name, ttl) in [("off", Duration::ZERO), ("on", Duration::from_secs(2))] {
+        let config = SelectorConfig {
+            predict: PredictConfig {
+                ttl,
+                ..PredictConfig::default()
+            },
+            ..SelectorConfig::default()
+        };
+        let mut selector = fleet(&prompt, config);
+        let partition = PartitionKey::new("m", "g");
+        let mut rng = SmallRng::seed_from_u64(1);
+        let mut n = 0u32;
+        c.bench_function(
+            &format!("cycle_with_events_8192_tokens_1000_ranks/predict_{name}"),
+            |b| {
+                b.iter(|| {
+                    n += 1;
+                    let mut tokens = prompt[..4096].to_vec();
+                    tokens.extend((0..4096).map(|t| 200_000_000 + n * 4096 + t));
+                    let hashes = PromptHashes::from_tokens(&tokens, BLOCK_SIZE, BASE_SEED);
+                    let id = format!("c{n}");
+                    let req = SelectRequest {
+                        selection_id: Some(&id),
+                        ..SelectRequest::new(&partition, Prompt::Hashes(&hashes))
+                    };
+                    let now = Instant::now();
+                    let sel = selector.select(&req, now, &mut rng).expect("select");
+                    selector
+                        .create_reservation(&ReservationRequest::replay(&partition, &id), now)
+                        .expect("replay");
+                    let held = (sel.overlap.gpu / BLOCK_SIZE as u64) as usize;
+                    let new = held..hashes.sequence.len();
+                    let stored = KvEvent::Stored {
+                        parent: held.checked_sub(1).map(|i| hashes.sequence[i]),
+                        blocks: new
+                            .clone()
+                            .map(|i| StoredBlock {
+                                engine_hash: hashes.sequence[i],
+                                local_hash: hashes.local[i],
+                            })
+                            .collect(),
+                        tier: Tier::Device,
+                    };
+                    selector.apply_events(sel.worker_id, sel.dp_rank, &[stored]);
+                    selector.free(&id).expect("free");
+                    let removed = KvEvent::Removed {
+                        engine_hashes: hashes.sequence[new].to_vec(),
+                        tier: Tier::Device,
+                    };
+                    selector.apply_events(sel.worker_id, sel.dp_rank, &[removed]);
+                })
+            },
+        );
+        let counters = selector.prediction_counters();
+        assert_eq!(counters.predicted, counters.confirmed, "{counters:?}");
+    }
+}
+
+criterion_group!(benches, bench_select, bench_cycle_with_events);
 criterion_main!(benches);

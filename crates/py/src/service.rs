@@ -140,6 +140,7 @@ const KNOBS: &[&str] = &[
     "busy_prefill_fraction",
     "active_request_expiry_secs",
     "max_indexed_blocks",
+    "predicted_ttl_secs",
     "no_kv_events",
     "approximate_cache_policy",
 ];
@@ -258,6 +259,7 @@ fn apply_knob(config: &mut ServeConfig, name: &str, value: &Bound<'_, PyAny>) ->
             config.active_request_expiry_secs = float_knob(name, value)?
         }
         "max_indexed_blocks" => config.max_indexed_blocks = int_knob(name, value)?,
+        "predicted_ttl_secs" => config.predicted_ttl_secs = Some(float_knob(name, value)?),
         "no_kv_events" => config.no_kv_events = bool_knob(name, value)?,
         "approximate_cache_policy" => {
             let policy: String = value
@@ -380,7 +382,8 @@ fn booking_id(
 /// ``decode_active_request_weight`` [0] (None: the profile's); ``router_temperature`` [0],
 /// ``track_prefill_tokens`` [True], ``busy_decode_fraction``, ``busy_prefill_tokens``,
 /// ``busy_prefill_fraction`` [None], ``active_request_expiry_secs`` [300],
-/// ``max_indexed_blocks`` [2**22 per partition], ``no_kv_events`` [False],
+/// ``max_indexed_blocks`` [2**22 per partition], ``predicted_ttl_secs`` [2; 0 turns
+/// predict-on-route off], ``no_kv_events`` [False],
 /// ``approximate_cache_policy`` ['ttl' | 'lru']. Dynamo's ``selection_cache=SelectionCacheConfig(
 /// ttl_secs=, max_entries=, max_bytes=)`` and ``indexer_threads`` (threads of the KV-event
 /// runtime, default 2) are accepted too. An invalid value raises ``ValueError`` naming it.

@@ -59,7 +59,7 @@ def new_service(**config) -> kvroute.SelectionService:
 
 async def with_workers(*ids: int, kv_events: bool = False, **config) -> kvroute.SelectionService:
     """A service with these workers. With `kv_events`, each names a KV-event endpoint where
-    nothing listens: only events the test applies count, nothing is predicted from bookings."""
+    nothing listens: only events the test applies count, and what bookings predict on route."""
     service = new_service(**config)
     for worker_id in ids:
         extra = {"kv_events_endpoint": f"tcp://127.0.0.1:{1 + worker_id}"} if kv_events else {}

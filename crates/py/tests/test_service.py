@@ -84,11 +84,11 @@ async def test_select_and_reserve_and_inspection_routes():
     scores = await svc.overlap_scores({"token_ids": prompt})
     assert scores["num_blocks"] == 4
     w1 = next(w for w in scores["workers"] if w["worker_id"] == 1)
-    assert w1["device_blocks"] == 2
+    assert w1["device_blocks"] == 4, "two stored blocks, two predicted on route"
     potential = await svc.potential_loads({"token_ids": prompt})
     assert len(potential) == 2
     dump = await svc.indexer_snapshot()
-    assert len(dump["default:default"]["events"]) == 2, "two stored blocks"
+    assert len(dump["default:default"]["events"]) == 2, "two stored blocks (no predictions)"
     ready = svc.ready()
     assert (ready["ready"], ready["schedulable_workers"]) == (True, 2)
     assert [w["worker_id"] for w in svc.list_workers()] == [1, 2]
@@ -100,6 +100,7 @@ async def test_select_and_reserve_and_inspection_routes():
     assert f'kvroute_selection_overlap_tokens_total{{{partition},kind="chosen"}} 8' in metrics
     assert f'kvroute_selection_overlap_tokens_total{{{partition},kind="best"}} 8' in metrics
     assert f'kvroute_selection_overlap_gap_blocks_count{{{partition}}} 1' in metrics
+    assert 'kvroute_predicted_blocks_total{outcome="confirmed"} 0' in metrics
     # Hash form with signed and unsigned hashes alike.
     h = kvroute.block_hashes(prompt, 4)
     unsigned_local = [x & (2**64 - 1) for x in h["local_hashes"]]
@@ -111,7 +112,14 @@ async def test_select_and_reserve_and_inspection_routes():
             "pinned_worker": {"worker_id": 1},
         }
     )
-    assert r["overlap"]["gpu"] == 8
+    assert r["overlap"]["gpu"] == 16
+    svc.shutdown()
+    # Without predict-on-route only the stored blocks count.
+    svc = await with_workers(1, 2, kv_events=True, predicted_ttl_secs=0)
+    store(svc, 1, prompt[:8])
+    await svc.select_and_reserve({"token_ids": prompt, "selection_id": "a"})
+    scores = await svc.overlap_scores({"token_ids": prompt})
+    assert next(w for w in scores["workers"] if w["worker_id"] == 1)["device_blocks"] == 2
     svc.shutdown()
 
 
@@ -391,6 +399,7 @@ async def test_configuration_keywords_apply_and_are_validated():
         ({"overlap_score_credit": "1"}, TypeError, "overlap_score_credit must be a number, got str"),
         ({"track_prefill_tokens": 1}, TypeError, "track_prefill_tokens must be a bool, got int"),
         ({"max_indexed_blocks": -1}, ValueError, "max_indexed_blocks is out of range (got -1)"),
+        ({"predicted_ttl_secs": -1}, ValueError, "predicted_ttl_secs must be a number of seconds ≥ 0 (got -1)"),
         ({"replica_sync_port": 5000}, ValueError, "replica_sync_port is not supported in process"),
     ]:
         with pytest.raises(error) as info:

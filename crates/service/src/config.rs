@@ -6,7 +6,7 @@ use clap::{Args, ValueEnum};
 use kvroute_core::index::IndexConfig;
 use kvroute_core::pending::PendingConfig;
 use kvroute_core::schedule::{RouterProfile, SchedulerConfig};
-use kvroute_core::selector::SelectorConfig;
+use kvroute_core::selector::{PredictConfig, SelectorConfig};
 use std::net::IpAddr;
 use std::time::Duration;
 
@@ -107,6 +107,11 @@ pub struct ServeConfig {
     /// Cap on indexed blocks per partition; the oldest are evicted beyond it.
     #[arg(long, env = "KVROUTE_MAX_INDEXED_BLOCKS", default_value_t = 1 << 22)]
     pub max_indexed_blocks: usize,
+    /// A booked prompt's blocks count as held on the chosen rank (one with KV events) until its
+    /// own events confirm them, or this many seconds; 0 turns prediction off [default: the
+    /// profile's: kvroute 2, dynamo 0]
+    #[arg(long, env = "KVROUTE_PREDICTED_TTL_SECS")]
+    pub predicted_ttl_secs: Option<f64>,
 
     /// Do not subscribe to engines' KV events; predict every worker's cache from bookings.
     #[arg(long, env = "KVROUTE_NO_KV_EVENTS", default_value_t = false)]
@@ -154,6 +159,16 @@ fn positive_secs(name: &str, value: f64) -> Result<Duration, String> {
     }
 }
 
+fn non_negative_secs(name: &str, value: f64) -> Result<Duration, String> {
+    if value.is_finite() && (0.0..1e9).contains(&value) {
+        Ok(Duration::from_secs_f64(value))
+    } else {
+        Err(format!(
+            "--{name} must be a number of seconds ≥ 0 (got {value})"
+        ))
+    }
+}
+
 impl ServeConfig {
     /// Parses a configuration from arguments (tests; the binary uses its own clap command).
     pub fn parse_from<I, T>(args: I) -> Result<Self, clap::Error>
@@ -193,6 +208,7 @@ impl ServeConfig {
             busy_prefill_fraction: None,
             active_request_expiry_secs: 300.0,
             max_indexed_blocks: 1 << 22,
+            predicted_ttl_secs: None,
             no_kv_events: false,
             approximate_cache_policy: ApproximatePolicy::Ttl,
             ingest_nice: 10,
@@ -283,6 +299,11 @@ impl ServeConfig {
             "active-request-expiry-secs",
             self.active_request_expiry_secs,
         )?;
+        let predict = PredictConfig::for_profile(self.router_profile);
+        let predicted_ttl = match self.predicted_ttl_secs {
+            Some(secs) => non_negative_secs("predicted-ttl-secs", secs)?,
+            None => predict.ttl,
+        };
         Ok(SelectorConfig {
             scheduler,
             pending: PendingConfig {
@@ -300,6 +321,10 @@ impl ServeConfig {
             },
             no_kv_events: self.no_kv_events,
             ttl: kvroute_core::approx::TtlConfig::default(),
+            predict: PredictConfig {
+                ttl: predicted_ttl,
+                ..predict
+            },
         })
     }
 }
@@ -375,5 +400,43 @@ mod tests {
             "--overlap-score-credit must be a finite number ≥ 0 (got -1)"
         );
         assert!(ServeConfig::parse_from(["kvroute", "--port", "70000"]).is_err());
+        for bad in ["-1", "NaN", "inf"] {
+            let config =
+                ServeConfig::parse_from(["kvroute", &format!("--predicted-ttl-secs={bad}")])
+                    .unwrap();
+            assert!(
+                config
+                    .validate()
+                    .unwrap_err()
+                    .starts_with("--predicted-ttl-secs must be a number of seconds ≥ 0"),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn predicted_ttl_sets_the_selectors_and_zero_turns_it_off() {
+        let ttl = |args: &[&str]| {
+            ServeConfig::parse_from(args)
+                .unwrap()
+                .validate()
+                .unwrap()
+                .predict
+        };
+        assert_eq!(ttl(&["kvroute"]).ttl, Duration::from_secs(2));
+        let half = ttl(&["kvroute", "--predicted-ttl-secs", "0.5"]);
+        assert_eq!(half.ttl, Duration::from_millis(500));
+        let off = ttl(&["kvroute", "--predicted-ttl-secs", "0"]);
+        assert!(!off.enabled());
+        // The dynamo profile does not predict unless asked to.
+        assert!(!ttl(&["kvroute", "--router-profile", "dynamo"]).enabled());
+        let asked = ttl(&[
+            "kvroute",
+            "--router-profile",
+            "dynamo",
+            "--predicted-ttl-secs",
+            "1",
+        ]);
+        assert_eq!(asked.ttl, Duration::from_secs(1));
     }
 }

@@ -12,7 +12,7 @@
 
 use kvroute_core::index::ApplyOutcome;
 use kvroute_core::pending::PendingCounters;
-use kvroute_core::selector::{Selection, Selector};
+use kvroute_core::selector::{PredictionCounters, Selection, Selector};
 use parking_lot::Mutex;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::encoding::text::encode;
@@ -73,6 +73,14 @@ fn gap_histogram() -> Histogram {
     Histogram::new(std::iter::once(0.0).chain(exponential_buckets(1.0, 2.0, 11)))
 }
 
+/// How a predicted block's prediction ended (`kvroute_predicted_blocks_total`).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PredictionLabel {
+    outcome: &'static str,
+}
+
+const PREDICTION_OUTCOMES: [&str; 3] = ["confirmed", "expired", "withdrawn"];
+
 fn latency_histogram() -> Histogram {
     // 20 µs … ~10 s.
     Histogram::new(exponential_buckets(20e-6, 2.0, 20))
@@ -111,6 +119,8 @@ pub struct Metrics {
     approx_blocks: Family<Labels, Gauge>,
     approx_lru: Family<Labels, Counter>,
     approx_seen: Mutex<kvroute_core::approx::LruCounters>,
+    predicted_blocks: Family<PredictionLabel, Counter>,
+    predicted_seen: Mutex<PredictionCounters>,
     /// Replica sync over NATS (`kvroute_sync_*`).
     pub sync: SyncMetrics,
 }
@@ -264,6 +274,17 @@ impl Metrics {
             "LRU model events: evicted blocks, reaped leases, overcapacity allocations, retired leases",
             approx_lru.clone(),
         );
+        let predicted_blocks = Family::<PredictionLabel, Counter>::default();
+        registry.register(
+            "predicted_blocks",
+            "Blocks predicted on route, by how their prediction ended: confirmed by the rank's own Stored, expired (TTL or cap), withdrawn (other events of the rank naming them, a restart, the worker's removal)",
+            predicted_blocks.clone(),
+        );
+        for outcome in PREDICTION_OUTCOMES {
+            predicted_blocks
+                .get_or_create(&PredictionLabel { outcome })
+                .inc_by(0);
+        }
         let sync = SyncMetrics::register(&mut registry);
         Self {
             registry,
@@ -292,6 +313,8 @@ impl Metrics {
             approx_blocks,
             approx_lru,
             approx_seen: Mutex::new(Default::default()),
+            predicted_blocks,
+            predicted_seen: Mutex::new(PredictionCounters::default()),
         }
     }
 
@@ -495,6 +518,20 @@ impl Metrics {
                     .inc_by(current.saturating_sub(previous));
             }
             *seen = lru;
+        }
+        let predicted = selector.prediction_counters();
+        {
+            let mut seen = self.predicted_seen.lock();
+            for (outcome, current, previous) in [
+                ("confirmed", predicted.confirmed, seen.confirmed),
+                ("expired", predicted.expired, seen.expired),
+                ("withdrawn", predicted.withdrawn, seen.withdrawn),
+            ] {
+                self.predicted_blocks
+                    .get_or_create(&PredictionLabel { outcome })
+                    .inc_by(current.saturating_sub(previous));
+            }
+            *seen = predicted;
         }
         let mut out = String::new();
         // Writing into a String cannot fail.

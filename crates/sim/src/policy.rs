@@ -7,7 +7,7 @@
 //! | `least_loaded` | fewest active tokens (prompt + output so far of its in-flight requests) |
 //! | `cache_aware` | SGLang's cache-aware router: an approximate per-worker prefix tree fed by its own routing decisions; when loads are imbalanced (max − min > 64 requests and max > 1.5 × min) the least-loaded worker, else the best match if it covers > 30 % of the prompt, else the worker with the smallest tree |
 //! | `dynamo` | kvroute's selector with Dynamo's default weights, fed the engines' exact KV events |
-//! | `kvroute` | the selector with kvroute's own settings: prefill-weighted cost, larger cache credit, blocks predicted on route (see [`kvroute_policy`]) |
+//! | `kvroute` | the selector with kvroute's own settings: prefill-weighted cost, larger cache credit, the core's predict-on-route (see [`kvroute_policy`]) |
 //! | `kvroute-approx-ttl`, `kvroute-approx-lru` | the selector without KV events, relying on the approximate cache models of SPEC §9 |
 //!
 //! Every selector policy drives [`Selector`] exactly as the HTTP service does: workers are
@@ -20,15 +20,15 @@ use crate::{RequestId, SimError};
 use hashbrown::HashMap;
 use kvroute_core::approx::CachePolicy;
 use kvroute_core::error::PartitionKey;
-use kvroute_core::event::{KvEvent, StoredBlock};
+use kvroute_core::event::KvEvent;
 use kvroute_core::hash::PromptHashes;
 use kvroute_core::schedule::{RouterProfile, SchedulerConfig};
 use kvroute_core::selector::{
-    LifecycleCalls, Prompt, SelectRequest, Selector, SelectorConfig, WorkerSpec,
+    LifecycleCalls, PredictConfig, Prompt, SelectRequest, Selector, SelectorConfig, WorkerSpec,
 };
 use rand::Rng;
 use rand::rngs::SmallRng;
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 /// Settings of the SGLang-style cache-aware policy.
@@ -63,14 +63,11 @@ pub struct SelectorPolicy {
     /// Register the workers with a KV-event endpoint and feed them the engines' events. Without
     /// it the selector's approximate model is the only cache knowledge.
     pub kv_events: bool,
-    /// Record a booked prompt's blocks as held by the chosen rank right away, under private
-    /// engine hashes, until the engine's own events have had time to arrive (its prefill is
-    /// done plus `prediction_hold`). Requests arriving in the same burst then see the prefix
-    /// where it is being computed instead of spreading it over the fleet.
-    pub predict_blocks_on_route: bool,
-    /// How long after a request's first token its predicted blocks stay (the event lag the
-    /// operator expects).
-    pub prediction_hold: Duration,
+    /// The selector's predict-on-route TTL (`SelectorConfig::predict`; zero: off): a booked
+    /// prompt's blocks count as held by the chosen rank until its own events confirm them, or
+    /// this long. Requests arriving in the same burst then see the prefix where it is being
+    /// computed instead of spreading it over the fleet.
+    pub predicted_ttl: Duration,
     /// The selector's approximate cache model for workers without KV events.
     pub approximate_policy: CachePolicy,
 }
@@ -95,13 +92,12 @@ pub struct Policy {
 }
 
 /// `dynamo`: the selector with Dynamo's defaults (SPEC §6, the `dynamo` router profile) and exact
-/// KV events.
+/// KV events; no prediction on route (Dynamo 1.6.1's default).
 pub fn dynamo_policy() -> SelectorPolicy {
     SelectorPolicy {
         scheduler: SchedulerConfig::for_profile(RouterProfile::Dynamo),
         kv_events: true,
-        predict_blocks_on_route: false,
-        prediction_hold: Duration::ZERO,
+        predicted_ttl: Duration::ZERO,
         approximate_policy: CachePolicy::Ttl,
     }
 }
@@ -111,17 +107,17 @@ pub fn dynamo_policy() -> SelectorPolicy {
 ///   profile, as `kvroute serve` and `kvroute.SelectionService()`): `prefill_load_scale` 32 and
 ///   `overlap_score_credit` 3 (the reasons are at [`SchedulerConfig::for_profile`]), effective
 ///   prefill counted without the routing credit;
-/// - [`SelectorPolicy::predict_blocks_on_route`]: the prompts just sent count as held before the
-///   engine's events arrive, so a burst of requests sharing a prefix lands together.
+/// - [`SelectorPolicy::predicted_ttl`] at the core's default (2 s): the prompts just sent count as
+///   held until the engine's events confirm them, so a burst of requests sharing a prefix lands
+///   together.
 ///
 /// On the Mooncake conversation trace (8 workers, 4× arrivals) this lifts the prefix hit rate from
 /// 16 % to 25 % and cuts mean TTFT by ~27 %; the sweep behind the numbers is in the crate README.
-pub fn kvroute_policy(event_delay: Duration) -> SelectorPolicy {
+pub fn kvroute_policy() -> SelectorPolicy {
     let dynamo = dynamo_policy();
     SelectorPolicy {
         scheduler: SchedulerConfig::default(),
-        predict_blocks_on_route: true,
-        prediction_hold: event_delay,
+        predicted_ttl: PredictConfig::default().ttl,
         ..dynamo
     }
 }
@@ -498,22 +494,11 @@ fn worker_id(worker: usize) -> u64 {
     worker as u64 + 1
 }
 
-/// Tags the engine hashes of predicted blocks so they never collide with the engine's own.
-const PREDICTED_ENGINE_HASH_SALT: u64 = 0x7072_6564_6963_7464;
-
-struct Prediction {
-    worker: usize,
-    engine_hashes: Vec<u64>,
-}
-
 struct SelectorRouter {
     selector: Selector,
     partition: PartitionKey,
     config: SelectorPolicy,
     ids: HashMap<RequestId, String>,
-    predictions: HashMap<RequestId, Prediction>,
-    /// Predictions to withdraw once `now` passes their deadline, in deadline order.
-    expiring: VecDeque<(Instant, RequestId)>,
     diagnostics: RouterDiagnostics,
     /// When the selector's housekeeping (TTL expiry, lease reaper) last ran.
     last_tick: Option<Instant>,
@@ -529,6 +514,10 @@ impl SelectorRouter {
         let mut selector = Selector::new(SelectorConfig {
             scheduler: config.scheduler,
             approximate_policy: config.approximate_policy,
+            predict: PredictConfig {
+                ttl: config.predicted_ttl,
+                ..PredictConfig::default()
+            },
             ..SelectorConfig::default()
         });
         let partition = PartitionKey::new("sim", "default");
@@ -559,8 +548,6 @@ impl SelectorRouter {
             partition,
             config,
             ids: HashMap::new(),
-            predictions: HashMap::new(),
-            expiring: VecDeque::new(),
             diagnostics: RouterDiagnostics::default(),
             last_tick: None,
             overlap: OverlapTotals::default(),
@@ -571,24 +558,6 @@ impl SelectorRouter {
         if let Some(outcome) = self.selector.apply_events(worker_id(worker), 0, events) {
             self.diagnostics.parent_block_not_found += outcome.parent_block_not_found;
             self.diagnostics.unknown_removed_blocks += outcome.unknown_removed_blocks;
-        }
-    }
-
-    fn withdraw_expired(&mut self, now: Instant) {
-        while let Some(&(deadline, id)) = self.expiring.front() {
-            if deadline > now {
-                break;
-            }
-            self.expiring.pop_front();
-            if let Some(p) = self.predictions.remove(&id) {
-                self.apply(
-                    p.worker,
-                    &[KvEvent::Removed {
-                        engine_hashes: p.engine_hashes,
-                        tier: kvroute_core::event::Tier::Device,
-                    }],
-                );
-            }
         }
     }
 
@@ -608,7 +577,6 @@ impl Router for SelectorRouter {
         now: Instant,
         rng: &mut SmallRng,
     ) -> Result<usize, SimError> {
-        self.withdraw_expired(now);
         // The service ticks once a second; so does the simulated router.
         if self
             .last_tick
@@ -627,36 +595,6 @@ impl Router for SelectorRouter {
         self.ids.insert(id, reservation_id);
         self.overlap.chosen_tokens += selection.overlap.gpu;
         self.overlap.best_tokens += selection.best_gpu_overlap;
-        if self.config.predict_blocks_on_route && !prompt.sequence.is_empty() {
-            let engine_hashes: Vec<u64> = prompt
-                .sequence
-                .iter()
-                .map(|h| h ^ PREDICTED_ENGINE_HASH_SALT)
-                .collect();
-            let blocks = engine_hashes
-                .iter()
-                .zip(&prompt.local)
-                .map(|(&engine_hash, &local_hash)| StoredBlock {
-                    engine_hash,
-                    local_hash,
-                })
-                .collect();
-            self.apply(
-                worker,
-                &[KvEvent::Stored {
-                    parent: None,
-                    blocks,
-                    tier: kvroute_core::event::Tier::Device,
-                }],
-            );
-            self.predictions.insert(
-                id,
-                Prediction {
-                    worker,
-                    engine_hashes,
-                },
-            );
-        }
         Ok(worker)
     }
 
@@ -667,12 +605,6 @@ impl Router for SelectorRouter {
     }
 
     fn on_first_token(&mut self, id: RequestId, now: Instant) -> Result<(), SimError> {
-        self.withdraw_expired(now);
-        if self.predictions.contains_key(&id) {
-            self.expiring
-                .push_back((now + self.config.prediction_hold, id));
-            self.withdraw_expired(now);
-        }
         let rid = self.reservation_id(id)?.to_string();
         Ok(self.selector.prefill_complete(&rid, now)?)
     }
@@ -682,8 +614,7 @@ impl Router for SelectorRouter {
         Ok(self.selector.output_block(&rid, None, now)?)
     }
 
-    fn on_finished(&mut self, id: RequestId, now: Instant) -> Result<(), SimError> {
-        self.withdraw_expired(now);
+    fn on_finished(&mut self, id: RequestId, _now: Instant) -> Result<(), SimError> {
         let Some(rid) = self.ids.remove(&id) else {
             return Err(SimError::Internal(format!("request {id} was never booked")));
         };
@@ -702,6 +633,7 @@ impl Router for SelectorRouter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvroute_core::event::StoredBlock;
     use kvroute_core::hash::BASE_SEED;
     use rand::SeedableRng;
 
@@ -711,7 +643,7 @@ mod tests {
 
     #[test]
     fn resolve_accepts_all_and_lists_and_names_unknown_policies() {
-        let all = resolve("all", kvroute_policy(Duration::ZERO)).unwrap();
+        let all = resolve("all", kvroute_policy()).unwrap();
         assert_eq!(
             all.iter().map(|p| p.name).collect::<Vec<_>>(),
             vec![
@@ -725,12 +657,12 @@ mod tests {
                 "kvroute-approx-lru"
             ]
         );
-        let some = resolve("dynamo, round_robin,dynamo", kvroute_policy(Duration::ZERO)).unwrap();
+        let some = resolve("dynamo, round_robin,dynamo", kvroute_policy()).unwrap();
         assert_eq!(
             some.iter().map(|p| p.name).collect::<Vec<_>>(),
             vec!["dynamo", "round_robin"]
         );
-        let err = resolve("dynamo,fastest", kvroute_policy(Duration::ZERO)).unwrap_err();
+        let err = resolve("dynamo,fastest", kvroute_policy()).unwrap_err();
         assert!(err.to_string().contains("`fastest`"), "{err}");
         assert!(err.to_string().contains("cache_aware"), "{err}");
     }
@@ -741,7 +673,7 @@ mod tests {
             ("kvroute-approx-ttl", CachePolicy::Ttl),
             ("kvroute-approx-lru", CachePolicy::Lru),
         ] {
-            let all = resolve(name, kvroute_policy(Duration::ZERO)).unwrap();
+            let all = resolve(name, kvroute_policy()).unwrap();
             assert!(all[0].unavailable.is_none());
             let PolicyKind::Selector(config) = all[0].kind else {
                 panic!("{name} is selector-backed");
@@ -756,7 +688,7 @@ mod tests {
     fn round_robin_cycles_and_least_loaded_balances_tokens() {
         let now = Instant::now();
         let mut rng = SmallRng::seed_from_u64(1);
-        let catalog = catalog(kvroute_policy(Duration::ZERO));
+        let catalog = catalog(kvroute_policy());
         let engine = EngineConfig::default();
         let mut rr = build_router(&catalog[0], 3, &engine).unwrap();
         let p = prompt(0..100);
@@ -845,29 +777,71 @@ mod tests {
         assert_eq!(r.diagnostics(), RouterDiagnostics::default());
     }
 
+    /// The engine's `Stored` of a prompt's blocks (engine hashes as the simulated engines make
+    /// them: the sequence hashes).
+    fn stored(p: &PromptHashes) -> KvEvent {
+        KvEvent::Stored {
+            parent: None,
+            blocks: p
+                .sequence
+                .iter()
+                .zip(&p.local)
+                .map(|(&engine_hash, &local_hash)| StoredBlock {
+                    engine_hash,
+                    local_hash,
+                })
+                .collect(),
+            tier: kvroute_core::event::Tier::Device,
+        }
+    }
+
+    fn device_blocks(r: &SelectorRouter, p: &PromptHashes) -> Vec<u32> {
+        let scores = r
+            .selector
+            .overlap_scores(&r.partition, Prompt::Hashes(p))
+            .unwrap();
+        let mut blocks: Vec<u32> = scores.workers.iter().map(|s| s.device_blocks).collect();
+        blocks.sort_unstable();
+        blocks
+    }
+
     #[test]
-    fn predicted_blocks_attract_the_next_request_until_they_expire() {
+    fn kvroute_predicts_in_the_core_until_events_confirm_or_the_ttl_passes() {
         let now = Instant::now();
         let mut rng = SmallRng::seed_from_u64(3);
         let engine = EngineConfig::default();
-        let hold = Duration::from_secs(1);
-        let mut r = SelectorRouter::new(4, &engine, kvroute_policy(hold)).unwrap();
+        let mut r = SelectorRouter::new(4, &engine, kvroute_policy()).unwrap();
         let p = prompt(0..6400);
         let w = r.route(0, &p, now, &mut rng).unwrap();
         r.on_first_token(0, now).unwrap();
         // No engine event yet, but the predicted 100 blocks make `w` a full hit: cost 0 + 100
         // shared decode blocks there, against 100 + 100 elsewhere.
         assert_eq!(r.route(1, &p, now, &mut rng).unwrap(), w);
-        assert_eq!(r.predictions.len(), 2);
-        r.on_first_token(1, now + hold / 2).unwrap();
-        r.on_finished(0, now + hold * 2).unwrap();
-        assert!(r.predictions.is_empty(), "both holds have passed");
-        // Without events and without predictions the prompt is a miss everywhere again.
-        let scores = r
-            .selector
-            .overlap_scores(&r.partition, Prompt::Hashes(&p))
+        assert_eq!(r.selector.predicted_blocks(), 100);
+        // The engine's events confirm the prediction: the same overlap, now the engine's own.
+        r.on_kv_events(w, &[stored(&p)]);
+        assert_eq!(r.selector.prediction_counters().confirmed, 100);
+        assert_eq!(r.selector.predicted_blocks(), 0);
+        assert_eq!(device_blocks(&r, &p), vec![0, 0, 0, 100]);
+
+        // A prompt whose events never come counts as held for the TTL, then not.
+        let q = prompt(10_000..16_400);
+        let wq = r.route(2, &q, now, &mut rng).unwrap();
+        assert_eq!(device_blocks(&r, &q), vec![0, 0, 0, 100]);
+        let ttl = PredictConfig::default().ttl;
+        r.route(3, &prompt(20_000..20_640), now + ttl, &mut rng)
             .unwrap();
-        assert!(scores.workers.iter().all(|s| s.device_blocks == 0));
+        assert_eq!(device_blocks(&r, &q), vec![0, 0, 0, 0], "worker {wq}");
+        assert_eq!(r.selector.prediction_counters().expired, 100);
+        for id in 0..4 {
+            r.on_finished(id, now + ttl).unwrap();
+        }
         assert_eq!(r.diagnostics(), RouterDiagnostics::default());
+
+        // `dynamo` does not predict (Dynamo 1.6.1's default).
+        let mut d = SelectorRouter::new(4, &engine, dynamo_policy()).unwrap();
+        d.route(0, &p, now, &mut rng).unwrap();
+        assert_eq!(d.selector.predicted_blocks(), 0);
+        assert_eq!(device_blocks(&d, &p), vec![0, 0, 0, 0]);
     }
 }

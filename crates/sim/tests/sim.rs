@@ -11,10 +11,10 @@ use kvroute_sim::{
     render_svg, resolve, run_policy,
 };
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 fn policies(list: &str) -> Vec<Policy> {
-    resolve(list, kvroute_policy(Duration::ZERO)).expect("known policies")
+    resolve(list, kvroute_policy()).expect("known policies")
 }
 
 fn run(workload: &Workload, config: &SimConfig, policy: &Policy) -> PolicyRun {

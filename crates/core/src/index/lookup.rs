@@ -77,6 +77,45 @@ impl RadixIndex {
         }
     }
 
+    /// Whether `rank` holds the block of `sequence_hash` on `tier` (under any engine hash).
+    pub fn holds(&self, rank: Rank, sequence_hash: u64, tier: Tier) -> bool {
+        let Some(&slot) = self.slot_of.get(&rank) else {
+            return false;
+        };
+        self.lookup(sequence_hash).is_some_and(|node| {
+            self.nodes.get(node).holders.mask_of(&self.arena, slot) & (1 << tier.index()) != 0
+        })
+    }
+
+    /// How many leading blocks of a prompt `rank` holds on `tier`: [`Self::holds`] block after
+    /// block up to the first miss, trying the slot after each block's node before the table.
+    pub fn held_prefix(&self, rank: Rank, sequence_hashes: &[u64], tier: Tier) -> usize {
+        let Some(&slot) = self.slot_of.get(&rank) else {
+            return 0;
+        };
+        let bit = 1 << tier.index();
+        let mut previous: Option<u32> = None;
+        for (depth, &s) in sequence_hashes.iter().enumerate() {
+            let node = previous
+                .and_then(|p| self.node_after(p, s))
+                .or_else(|| self.lookup(s));
+            match node {
+                Some(n) if self.nodes.get(n).holders.mask_of(&self.arena, slot) & bit != 0 => {
+                    previous = Some(n);
+                }
+                _ => return depth,
+            }
+        }
+        sequence_hashes.len()
+    }
+
+    /// The sequence hash of the block `rank` holds under `engine_hash`, if it holds one.
+    pub fn sequence_hash_of(&self, rank: Rank, engine_hash: u64) -> Option<u64> {
+        let &slot = self.slot_of.get(&rank)?;
+        self.live_entry(slot, engine_hash)
+            .map(|entry| self.nodes.get(entry.node()).sequence_hash)
+    }
+
     /// [`find_matches`](Self::find_matches) for a prompt given by its local hashes.
     pub fn find_matches_local(&self, local_hashes: &[u64]) -> Matches {
         self.find_matches(&crate::hash::sequence_hashes(local_hashes))
@@ -86,7 +125,9 @@ impl RadixIndex {
     /// before children, one event per block and tier with its store count), for recovery.
     /// Blocks the rank cannot reach from a first block through blocks it holds cannot be
     /// re-stored under their parent and are left out; they add nothing to any overlap (overlap
-    /// is contiguous from the first block).
+    /// is contiguous from the first block). Blocks recorded under [`predicted_engine_hash`] are
+    /// left out: they are the selector's guesses of the next few seconds, which a copy would keep
+    /// forever.
     pub fn dump(&self) -> Vec<(Rank, KvEvent)> {
         let mut out = Vec::new();
         for slot in &self.slots {
@@ -95,6 +136,9 @@ impl RadixIndex {
                 .blocks
                 .iter()
                 .filter(|r| self.nodes.is_live(r.node()))
+                .filter(|r| {
+                    r.engine_hash() != predicted_engine_hash(self.nodes.get(r.node()).sequence_hash)
+                })
                 .copied()
                 .collect();
             entries.sort_unstable_by_key(|r| r.engine_hash());

@@ -12,6 +12,10 @@
 //! ## Operations and costs
 //! - `apply(rank, event)`: O(blocks) hash-table operations. Stores are reference counted per
 //!   `(rank, tier, engine hash)`; a block leaves a rank's tier when removed as often as stored.
+//!   One exception: a device store of a block the rank holds only under the selector's
+//!   [`predicted_engine_hash`] replaces that entry (`selector/predict.rs`).
+//! - `store_at(rank, parent, blocks, tier)`: the selector's predicted blocks, at given sequence
+//!   hashes, skipping those the rank holds on the tier.
 //!   The blocks of a `Stored` event are looked up a chunk at a time before they are stored, so
 //!   the processor overlaps their cache misses; a block already indexed is usually found in the
 //!   slot after its parent's node, without a lookup.
@@ -66,6 +70,16 @@ use walk::Walk;
 /// Default cap on indexed blocks (nodes) per partition.
 pub const DEFAULT_MAX_BLOCKS: usize = 1 << 22;
 
+/// The engine hash under which the selector records a block it predicts a rank will hold (the
+/// prompt it just booked there; `selector/predict.rs`): a bijection of the block's sequence
+/// hash, so a rank has at most one such entry per block, and one an engine would name only by
+/// a 2^-64 chance. [`RadixIndex::dump`] leaves these entries out.
+pub fn predicted_engine_hash(sequence_hash: u64) -> u64 {
+    // Each step is invertible: xor with a constant, multiplication by an odd number, xorshift.
+    let x = (sequence_hash ^ 0x7072_6564_6963_7465).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    x ^ (x >> 29)
+}
+
 /// Hard cap on indexed blocks whatever the configuration (node numbers have 28 bits, and dead
 /// slots waiting for a purge add up to a quarter).
 const MAX_LIVE_NODES: usize = 1 << 26;
@@ -103,6 +117,9 @@ pub struct ApplyOutcome {
     pub evicted_blocks: u64,
     /// Events refused because the partition has too many ranks.
     pub rank_capacity_exceeded: u64,
+    /// Device stores of a block the rank held only as predicted by the selector: the engine's
+    /// entry replaced the predicted one ([`predicted_engine_hash`]).
+    pub adopted_predictions: u64,
 }
 
 impl ApplyOutcome {
@@ -115,6 +132,7 @@ impl ApplyOutcome {
         self.engine_hash_conflicts += other.engine_hash_conflicts;
         self.evicted_blocks += other.evicted_blocks;
         self.rank_capacity_exceeded += other.rank_capacity_exceeded;
+        self.adopted_predictions += other.adopted_predictions;
     }
 }
 
@@ -611,6 +629,55 @@ impl RadixIndex {
         }
     }
 
+    /// Stores those of `blocks` the rank does not already hold on `tier`, at the sequence hashes
+    /// given with them, the first one under the block of sequence hash `parent` (which the rank
+    /// need not hold), instead of chaining them under a parent engine hash as a `Stored` event
+    /// does: how the selector records the blocks it predicts (under [`predicted_engine_hash`]).
+    /// Appends the sequence hashes of the blocks it stored to `stored`. Counted as stores,
+    /// evictions included.
+    pub fn store_at(
+        &mut self,
+        rank: Rank,
+        parent: Option<u64>,
+        blocks: &[(u64, StoredBlock)],
+        tier: Tier,
+        stored: &mut Vec<u64>,
+    ) -> ApplyOutcome {
+        let mut outcome = ApplyOutcome::default();
+        let Some(slot) = self.slot_for(rank) else {
+            outcome.rank_capacity_exceeded += 1;
+            return outcome;
+        };
+        let t = tier.index();
+        let mut previous = parent;
+        let mut previous_node = parent.and_then(|p| self.lookup(p));
+        for &(sequence_hash, block) in blocks {
+            let node = match previous_node.and_then(|p| self.node_after(p, sequence_hash)) {
+                Some(node) => node,
+                None => {
+                    let key = self.hasher.hash_one(sequence_hash);
+                    self.node_for(sequence_hash, key, block.local_hash, previous, &mut outcome)
+                }
+            };
+            if self.nodes.get(node).holders.mask_of(&self.arena, slot) & (1 << t) == 0 {
+                let hash = self.hasher.hash_one(block.engine_hash);
+                self.store_entry(
+                    slot,
+                    node,
+                    (sequence_hash, hash),
+                    block.engine_hash,
+                    t,
+                    &mut outcome,
+                );
+                stored.push(sequence_hash);
+            }
+            previous = Some(sequence_hash);
+            previous_node = Some(node);
+        }
+        self.enforce_cap(&mut outcome);
+        outcome
+    }
+
     /// Stores one block of a `Stored` event whose sequence hash (chained under the previous
     /// block's, whose node is `previous_node`) is known, with the table hashes of that sequence
     /// hash and of the block's engine hash. Returns the block's node.
@@ -624,14 +691,36 @@ impl RadixIndex {
         t: usize,
         outcome: &mut ApplyOutcome,
     ) -> u32 {
-        let bit: TierMask = 1 << t;
-        let mut transitions = [0i8; 3];
-        transitions[t] = 1;
         let node = match previous_node.and_then(|p| self.node_after(p, sequence_hash)) {
             Some(node) => node,
             None => self.node_for(sequence_hash, node_key, block.local_hash, previous, outcome),
         };
-        let engine_hash = block.engine_hash;
+        self.store_entry(
+            slot,
+            node,
+            (sequence_hash, hash),
+            block.engine_hash,
+            t,
+            outcome,
+        );
+        node
+    }
+
+    /// Stores the rank's entry for `engine_hash` (whose table hash is `hash`) on `node`, the
+    /// live node of `sequence_hash`, on tier `t`.
+    #[inline]
+    fn store_entry(
+        &mut self,
+        slot: u32,
+        node: u32,
+        (sequence_hash, hash): (u64, u64),
+        engine_hash: u64,
+        t: usize,
+        outcome: &mut ApplyOutcome,
+    ) {
+        let bit: TierMask = 1 << t;
+        let mut transitions = [0i8; 3];
+        transitions[t] = 1;
         let hasher = &self.hasher;
         let rank_slot = &mut self.slots[slot as usize];
         let presence = match rank_slot.blocks.entry(
@@ -682,17 +771,25 @@ impl RadixIndex {
             Entry::Vacant(vacant) => {
                 vacant.insert(BlockRef::new(engine_hash, node, bit));
                 let held = self.nodes.get(node).holders.mask_of(&self.arena, slot);
-                if held != 0 {
+                if held == 0 {
+                    Some((bit, 1))
+                } else if held == bit
+                    && t == Tier::Device.index()
+                    && adopt_prediction(rank_slot, hasher, sequence_hash, node)
+                {
+                    // The engine's entry took the place of the predicted one: same holders.
+                    outcome.adopted_predictions += 1;
+                    None
+                } else {
                     note_alias(rank_slot, node, held);
+                    Some((bit, 1))
                 }
-                Some((bit, 1))
             }
         };
         if let Some((entry_mask, entry_delta)) = presence {
             self.update_presence(slot, node, transitions, entry_mask, entry_delta);
         }
         outcome.stored_blocks += 1;
-        node
     }
 
     /// Adds a fresh entry (count 1 on the tier `bit`) of `slot` for `node`; the caller updates
@@ -836,6 +933,37 @@ impl RadixIndex {
         }
         self.update_presence(slot, entry.node(), transitions, 0, -1);
     }
+}
+
+/// When a rank's only entry on `node` (the block of `sequence_hash`) is the selector's prediction
+/// of it ([`predicted_engine_hash`], on the device tier alone), removes it: the engine's entry
+/// just stored on the device takes its place, with no alias in between (`selector/predict.rs`
+/// then counts the prediction confirmed).
+fn adopt_prediction(
+    rank_slot: &mut RankSlot,
+    hasher: &DefaultHashBuilder,
+    sequence_hash: u64,
+    node: u32,
+) -> bool {
+    if rank_slot.alias_counts.get(&node).is_some_and(|c| c[3] > 1) {
+        // More entries than the predicted one (and the new one): the general path. (A record
+        // of one entry, left by an alias that has gone, stays right: the new entry holds the
+        // same tier as the one it replaces.)
+        return false;
+    }
+    let predicted = predicted_engine_hash(sequence_hash);
+    let Ok(entry) = rank_slot
+        .blocks
+        .find_entry(hasher.hash_one(predicted), |e| e.engine_hash() == predicted)
+    else {
+        return false;
+    };
+    let e = *entry.get();
+    if e.node() != node || e.mask() != 1 << Tier::Device.index() || e.multi() {
+        return false;
+    }
+    entry.remove();
+    true
 }
 
 /// Notes a second entry of a rank on a node it already holds with tiers `held` (before the new

@@ -53,6 +53,63 @@ fn overlap_is_contiguous_from_the_first_block() {
 }
 
 #[test]
+fn predicted_blocks_skip_what_the_rank_holds_and_the_engines_store_adopts_them() {
+    let mut index = RadixIndex::default();
+    let a = rank(1, 0);
+    let s = seq(&[1, 2, 3, 4]);
+    index.apply(a, &stored(None, &[(10, 1), (11, 2)], Tier::Device));
+    assert_eq!(index.sequence_hash_of(a, 11), Some(s[1]));
+    assert_eq!(index.sequence_hash_of(rank(2, 0), 11), None);
+    // Blocks 2-4 under block 1 by its sequence hash: block 2 is held already, so left alone.
+    let at = |i: usize| {
+        (
+            s[i],
+            StoredBlock {
+                engine_hash: predicted_engine_hash(s[i]),
+                local_hash: i as u64 + 1,
+            },
+        )
+    };
+    let mut stored_at = Vec::new();
+    let outcome = index.store_at(
+        a,
+        Some(s[0]),
+        &[at(1), at(2), at(3)],
+        Tier::Device,
+        &mut stored_at,
+    );
+    assert_eq!((outcome.stored_blocks, stored_at), (2, vec![s[2], s[3]]));
+    assert_eq!(index.held_prefix(a, &s, Tier::Device), 4);
+    assert_eq!(index.held_prefix(a, &s, Tier::Host), 0);
+    assert!(index.holds(a, s[3], Tier::Device) && !index.holds(rank(2, 0), s[3], Tier::Device));
+    assert_eq!(
+        index.find_matches(&s).get(a).map(|r| r.device_blocks),
+        Some(4)
+    );
+    assert_eq!((index.block_count(), index.held_pairs()), (4, 4));
+    // The dump shows the engine's two blocks only.
+    assert_eq!(index.dump().len(), 2);
+    // The engine's store of block 3 on the host is another entry; on the device it adopts the
+    // predicted one: no alias, the same holders.
+    let outcome = index.apply(a, &stored(Some(11), &[(12, 3)], Tier::Host));
+    assert_eq!((outcome.adopted_predictions, index.held_pairs()), (0, 5));
+    index.apply(a, &removed(&[12], Tier::Host));
+    let outcome = index.apply(a, &stored(Some(11), &[(12, 3)], Tier::Device));
+    assert_eq!((outcome.stored_blocks, outcome.adopted_predictions), (1, 1));
+    assert_eq!((index.block_count(), index.held_pairs()), (4, 4));
+    let gone = index.apply(a, &removed(&[predicted_engine_hash(s[2])], Tier::Device));
+    assert_eq!(
+        gone.unknown_removed_blocks, 1,
+        "adopted, so no predicted entry left"
+    );
+    assert_eq!(index.held_prefix(a, &s, Tier::Device), 4);
+    // The engine's removal of block 3 drops it; block 4 is still predicted.
+    index.apply(a, &removed(&[12], Tier::Device));
+    assert_eq!(index.held_prefix(a, &s, Tier::Device), 2);
+    assert!(index.holds(a, s[3], Tier::Device));
+}
+
+#[test]
 fn tiers_are_cumulative() {
     let mut index = RadixIndex::default();
     let a = rank(1, 0);

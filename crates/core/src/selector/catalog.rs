@@ -131,6 +131,8 @@ impl Selector {
         self.check_running()?;
         check_id("model_name", &spec.model_name)?;
         check_id("routing_group", &spec.routing_group)?;
+        // Bookings queued before the change predict on the worker as it was.
+        self.settle_predictions();
         let reasons = self.reasons_for(&spec);
         let lifecycle = if reasons.is_empty() {
             Lifecycle::Schedulable
@@ -152,8 +154,11 @@ impl Selector {
         };
         if let Some(old) = &previous {
             let old_partition = old.spec.partition();
-            if events_changed && let Some(p) = self.partitions.get_mut(&old_partition) {
-                p.index.remove_worker(spec.worker_id);
+            if events_changed {
+                if let Some(p) = self.partitions.get_mut(&old_partition) {
+                    p.index.remove_worker(spec.worker_id);
+                }
+                self.forget_worker_predictions(spec.worker_id);
             }
             if old_partition != partition {
                 self.detach_from_partition(&old_partition, spec.worker_id);
@@ -212,9 +217,11 @@ impl Selector {
     /// returns its record with lifecycle `unschedulable`.
     pub fn delete_worker(&mut self, worker_id: WorkerId) -> Result<WorkerRecord, Error> {
         self.check_running()?;
+        self.settle_predictions();
         let Some(mut record) = self.workers.remove(&worker_id) else {
             return Err(Error::WorkerNotFound { worker_id });
         };
+        self.forget_worker_predictions(worker_id);
         let freed = exclusive(&mut self.load).free_worker(worker_id);
         for booking in &freed {
             exclusive(&mut self.lru).release(&*booking.reservation_id);

@@ -184,7 +184,8 @@ impl Selector {
         locked(&self.lru).counters()
     }
 
-    /// Applies KV events of one rank of a worker to its partition's index. `None` when the worker
+    /// Applies KV events of one rank of a worker to its partition's index, confirming or
+    /// withdrawing the rank's predicted blocks they name (`predict.rs`). `None` when the worker
     /// is unknown (the events are dropped; the edge counts them).
     pub fn apply_events(
         &mut self,
@@ -192,12 +193,15 @@ impl Selector {
         dp_rank: u32,
         events: &[KvEvent],
     ) -> Option<ApplyOutcome> {
+        // Bookings queued before these events are recorded first, so the events find them.
+        self.settle_predictions();
         let record = self.workers.get(&worker_id)?;
         let partition = self.partitions.get_mut(&record.spec.partition())?;
-        Some(
-            partition
-                .index
-                .apply_all(Rank::new(worker_id, dp_rank), events),
-        )
+        Some(Self::apply_with_predictions(
+            &mut partition.index,
+            exclusive(&mut self.predictions),
+            Rank::new(worker_id, dp_rank),
+            events,
+        ))
     }
 }

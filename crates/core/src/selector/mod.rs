@@ -19,6 +19,7 @@
 //! | `reservations.rs` | bookings and their lifecycle calls ([`LifecycleCalls`]) |
 //! | `inspect.rs` | read-only views: `/loads`, `/potential_loads`, `/overlap_scores`, `/dump` |
 //! | `sync.rs` | bookings shared between replicas (SPEC §10) |
+//! | `predict.rs` | predict-on-route: a booked prompt held on its rank until its events come |
 //!
 //! ## Lock discipline
 //! The selector is plain data. An edge that serves concurrent requests wraps it in one
@@ -32,11 +33,13 @@
 //! (`reservations.rs`); a caller writes `lock.free(id)` or `selector.free(id)` alike.
 //!
 //! Inner mutexes are taken in one order — load tracker, LRU model, pending cache — and never
-//! while waiting for the selector's lock. Prompts are hashed by the edge before it takes any
-//! lock ([`Prompt::Hashes`]), so the critical sections are the index lookup, the scoring and the
-//! booking. A replay peeks, books and removes its pending entry while holding the load tracker's
-//! mutex, so two concurrent replays of one selection book at most once and the second one finds
-//! no entry.
+//! while waiting for the selector's lock; the queue of predictions (`predict.rs`), which a
+//! booking under the shared lock fills because it cannot change the index, is taken alone.
+//! Whoever next holds the selector exclusively records it first. Prompts are hashed by the edge
+//! before it takes any lock ([`Prompt::Hashes`]), so the critical sections are the index lookup,
+//! the scoring and the booking. A replay peeks, books and removes its pending entry while
+//! holding the load tracker's mutex, so two concurrent replays of one selection book at most once
+//! and the second one finds no entry.
 
 use crate::approx::{CachePolicy, LruConfig, LruModel, TtlConfig, TtlModel};
 use crate::error::{Error, PartitionKey};
@@ -48,18 +51,23 @@ use crate::schedule::{RouterProfile, SchedulerConfig};
 use hashbrown::HashMap;
 use rand::Rng;
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 mod catalog;
 mod events;
 mod inspect;
+mod predict;
 mod reservations;
 mod select;
 mod sync;
 mod types;
 
 pub use catalog::check_zmq_endpoint;
+pub use predict::{
+    DEFAULT_MAX_PREDICTED_BLOCKS, DEFAULT_PREDICTED_TTL, PredictConfig, PredictionCounters,
+};
 pub use reservations::LifecycleCalls;
 pub use sync::{BookingOwner, SyncApplyError, SyncApplyOutcome, SyncedBooking};
 pub use types::*;
@@ -82,6 +90,8 @@ pub struct SelectorConfig {
     pub no_kv_events: bool,
     /// The TTL model's settings (per partition).
     pub ttl: TtlConfig,
+    /// Predict-on-route for ranks with KV events (`predict.rs`).
+    pub predict: PredictConfig,
 }
 
 impl Default for SelectorConfig {
@@ -94,23 +104,25 @@ impl Default for SelectorConfig {
             approximate_policy: CachePolicy::Ttl,
             no_kv_events: false,
             ttl: TtlConfig::default(),
+            predict: PredictConfig::default(),
         }
     }
 }
 
 impl SelectorConfig {
-    /// A profile's configuration: its scheduler ([`SchedulerConfig::for_profile`]), the rest
-    /// as [`SelectorConfig::default`].
+    /// A profile's configuration: its scheduler ([`SchedulerConfig::for_profile`]) and its
+    /// prediction on route ([`PredictConfig::for_profile`]), the rest as
+    /// [`SelectorConfig::default`].
     pub fn for_profile(profile: RouterProfile) -> Self {
         Self {
             scheduler: SchedulerConfig::for_profile(profile),
+            predict: PredictConfig::for_profile(profile),
             ..Self::default()
         }
     }
 }
 
-/// A worker as registered (`POST /workers`). Optional fields stay optional so the record can
-
+/// One partition: its index, its workers and the TTL model of its ranks without events.
 #[derive(Debug)]
 struct Partition {
     index: RadixIndex,
@@ -129,6 +141,10 @@ pub struct Selector {
     partitions: BTreeMap<PartitionKey, Partition>,
     load: Mutex<LoadTracker>,
     pending: Mutex<PendingCache<PendingSelection>>,
+    /// Predicted blocks of ranks with KV events, and bookings waiting to predict.
+    predictions: Mutex<predict::Predictions>,
+    /// Whether `predictions` has bookings waiting (read without its mutex).
+    predictions_queued: AtomicBool,
     shutting_down: bool,
 }
 
@@ -177,6 +193,8 @@ impl Selector {
             partitions: BTreeMap::new(),
             load: Mutex::new(LoadTracker::new()),
             pending: Mutex::new(PendingCache::new(config.pending)),
+            predictions: Mutex::new(predict::Predictions::new(config.predict)),
+            predictions_queued: AtomicBool::new(false),
             shutting_down: false,
         }
     }
@@ -222,9 +240,10 @@ impl Selector {
         self.shutting_down
     }
 
-    /// Periodic housekeeping: frees bookings idle for `active_request_expiry`, purges expired
-    /// cached selections.
+    /// Periodic housekeeping: frees bookings idle for `active_request_expiry`, expires predicted
+    /// blocks past their TTL, purges expired cached selections.
     pub fn tick(&mut self, now: Instant) -> TickOutcome {
+        self.expire_predictions(now);
         let expired = exclusive(&mut self.load).expire(now, self.config.active_request_expiry);
         for booking in &expired {
             self.release_lease(&booking.reservation_id);

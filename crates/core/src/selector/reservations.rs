@@ -83,30 +83,48 @@ mod hold {
         ) -> Result<T, Error>;
     }
 
+    /// A prediction the shared part queued is recorded at once.
     impl Hold for &mut Selector {
         fn run<T>(
             self,
             shared: impl FnOnce(&Selector) -> Result<Option<T>, Error>,
             exclusive: impl FnOnce(&mut Selector) -> Result<T, Error>,
         ) -> Result<T, Error> {
-            match shared(self)? {
-                Some(done) => Ok(done),
-                None => exclusive(self),
-            }
+            let done = match shared(self)? {
+                Some(done) => done,
+                None => exclusive(self)?,
+            };
+            self.settle_predictions();
+            Ok(done)
         }
     }
 
-    /// The read lock is released before the write lock is taken.
+    /// The read lock is released before the write lock is taken. A prediction the shared part
+    /// queued is recorded if the write lock is free at once, else by its next holder; under the
+    /// write lock, after the call.
     impl Hold for &parking_lot::RwLock<Selector> {
         fn run<T>(
             self,
             shared: impl FnOnce(&Selector) -> Result<Option<T>, Error>,
             exclusive: impl FnOnce(&mut Selector) -> Result<T, Error>,
         ) -> Result<T, Error> {
-            let done = shared(&self.read())?;
+            let (done, queued) = {
+                let selector = self.read();
+                (shared(&selector)?, selector.has_queued_predictions())
+            };
             match done {
-                Some(done) => Ok(done),
-                None => exclusive(&mut self.write()),
+                Some(done) => {
+                    if queued && let Some(mut selector) = self.try_write() {
+                        selector.settle_predictions();
+                    }
+                    Ok(done)
+                }
+                None => {
+                    let mut selector = self.write();
+                    let done = exclusive(&mut selector)?;
+                    selector.settle_predictions();
+                    Ok(done)
+                }
             }
         }
     }
@@ -169,6 +187,7 @@ impl Selector {
     ) -> Result<Reservation, Error> {
         self.check_running()?;
         check_reservation_ids(req)?;
+        self.expire_predictions(now);
         match (req.worker_id, req.selection_id) {
             (Some(worker_id), _) => self.book_explicit(req, worker_id, now),
             (None, Some(selection_id)) => self.book_replay(req, selection_id, now),
@@ -250,13 +269,19 @@ impl Selector {
             plan.entry.isl_tokens,
             now,
         );
+        self.predict_booking(
+            plan.rank,
+            &plan.entry.local_hashes,
+            &plan.entry.sequence_hashes,
+            now,
+        );
         Ok(plan.reservation)
     }
 
-    /// [`LifecycleCalls::create_reservation`] under the shared lock: a replay onto a rank whose cache is
-    /// known from KV events books here; the explicit form and a replay onto a modelled rank
-    /// answer `None` having changed nothing (the explicit form discards the
-    /// cached selection, which the exclusive call does again first).
+    /// [`LifecycleCalls::create_reservation`] under the shared lock: a replay onto a rank whose
+    /// cache is known from KV events books here and queues its prediction (`predict.rs`); the
+    /// explicit form and a replay onto a modelled rank answer `None` having changed nothing (the
+    /// explicit form discards the cached selection, which the exclusive call does again first).
     pub(super) fn create_reservation_shared(
         &self,
         req: &ReservationRequest<'_>,
@@ -267,14 +292,18 @@ impl Selector {
         let (None, Some(selection_id)) = (req.worker_id, req.selection_id) else {
             return Ok(None);
         };
-        let mut load = locked(&self.load);
-        let plan = self.plan_replay(req, selection_id, now)?;
-        if plan.modelled {
-            return Ok(None);
-        }
-        load.book(plan.booking, now)?;
-        self.pending().remove(&plan.key, plan.generation);
-        Ok(Some(plan.reservation))
+        let (reservation, rank, entry) = {
+            let mut load = locked(&self.load);
+            let plan = self.plan_replay(req, selection_id, now)?;
+            if plan.modelled {
+                return Ok(None);
+            }
+            load.book(plan.booking, now)?;
+            self.pending().remove(&plan.key, plan.generation);
+            (plan.reservation, plan.rank, plan.entry)
+        };
+        self.queue_prediction(rank, &entry.local_hashes, &entry.sequence_hashes, now);
+        Ok(Some(reservation))
     }
 
     fn book_explicit(
@@ -323,11 +352,12 @@ impl Selector {
             }
         };
         let endpoint = record.spec.endpoint.clone().unwrap_or_default();
+        let sequence: Arc<[u64]> = Arc::from(hashes.sequence.as_slice());
         let booking = Booking {
             reservation_id: name.to_string(),
             rank: Rank::new(worker_id, dp_rank),
             block_size,
-            sequence_hashes: Arc::from(hashes.sequence.as_slice()),
+            sequence_hashes: Arc::clone(&sequence),
             isl_tokens: hashes.isl_tokens,
             effective_prefill_tokens: effective,
             expected_output_tokens: req.expected_output_tokens,
@@ -344,6 +374,10 @@ impl Selector {
             hashes.isl_tokens,
             now,
         );
+        if self.config.predict.enabled() {
+            let local: Arc<[u64]> = Arc::from(hashes.local.as_slice());
+            self.predict_booking(Rank::new(worker_id, dp_rank), &local, &sequence, now);
+        }
         Ok(Reservation {
             reservation_id: name.to_string(),
             selection_id: req.selection_id.map(str::to_string),

@@ -212,7 +212,8 @@ impl Selector {
     }
 
     /// `POST /select_and_reserve`: selects and books atomically under `reservation_id` (or the
-    /// request's selection id, or a generated UUID). Never touches the pending cache.
+    /// request's selection id, or a generated UUID), predicting the prompt's blocks on a rank
+    /// with KV events (`predict.rs`). Never touches the pending cache.
     pub fn select_and_reserve(
         &mut self,
         req: &SelectRequest<'_>,
@@ -228,6 +229,8 @@ impl Selector {
                 sync::check_booking_id(field, v)?;
             }
         }
+        // Due predictions go and queued ones are recorded before the pick sees the index.
+        self.expire_predictions(now);
         let mut selection = self.compute_selection(req, rng)?;
         let id = reservation_id
             .or(req.selection_id)
@@ -246,12 +249,19 @@ impl Selector {
             },
             now,
         )?;
+        let rank = Rank::new(selection.worker_id, selection.dp_rank);
         self.model_booking(
             &id,
-            Rank::new(selection.worker_id, selection.dp_rank),
+            rank,
             &selection.local_hashes,
             &selection.sequence_hashes,
             selection.isl_tokens,
+            now,
+        );
+        self.predict_booking(
+            rank,
+            &selection.local_hashes,
+            &selection.sequence_hashes,
             now,
         );
         selection.selection_id = Some(id.clone());

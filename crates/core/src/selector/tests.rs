@@ -910,8 +910,14 @@ fn workers_publishing_events_are_not_modelled_unless_events_are_off() {
     book_and_free(&mut s, "a", 1, &prompt, now);
     assert_eq!(
         overlap_blocks(&s, 1, &prompt),
+        4,
+        "predicted on route (tests/predict.rs) until its TTL"
+    );
+    s.tick(now + DEFAULT_PREDICTED_TTL);
+    assert_eq!(
+        overlap_blocks(&s, 1, &prompt),
         0,
-        "only the engine's events count"
+        "then only the engine's events count"
     );
     assert_eq!(
         s.cache_model(Rank::new(1, 0)),
@@ -967,4 +973,5 @@ fn load_state(s: &Selector) -> LoadState {
 }
 
 mod decisions;
+mod predict;
 mod shared_lock;

@@ -51,6 +51,7 @@ class SelectionService:
         busy_prefill_fraction: Optional[float] = None,
         active_request_expiry_secs: float = 300.0,
         max_indexed_blocks: int = 4194304,
+        predicted_ttl_secs: float = 2.0,
         no_kv_events: bool = False,
         approximate_cache_policy: Literal["ttl", "lru"] = "ttl",
         selection_cache: Union[SelectionCacheConfig, Dict[str, Any], None] = None,

@@ -151,7 +151,7 @@ async fn full_flow_select_replay_lifecycle_free() {
 #[tokio::test]
 async fn select_and_reserve_and_inspection_routes() {
     // Workers that publish KV events (nothing listens on the port: only the events this test
-    // applies count, no prediction from bookings).
+    // applies count, and the booking's prediction on route).
     let app = TestApp::new();
     for id in [1u64, 2] {
         let mut w = worker(id);
@@ -167,6 +167,7 @@ async fn select_and_reserve_and_inspection_routes() {
         )
         .await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert_eq!(r.body["worker_id"], 1, "the cached prefix");
     assert_eq!(r.body["sequence_hashes"].as_array().map(Vec::len), Some(4));
     assert_eq!(r.body["isl_tokens"], 17);
     assert_eq!(r.body["track_prefill_tokens"], true);
@@ -182,7 +183,10 @@ async fn select_and_reserve_and_inspection_routes() {
         .find(|w| w["worker_id"] == 1)
         .cloned()
         .unwrap();
-    assert_eq!(w1["device_blocks"], 2);
+    assert_eq!(
+        w1["device_blocks"], 4,
+        "the engine's two blocks and the booking's two predicted ones"
+    );
     let potential = app
         .post("/potential_loads", json!({"token_ids": prompt}))
         .await;
@@ -194,7 +198,7 @@ async fn select_and_reserve_and_inspection_routes() {
     assert_eq!(
         events.as_array().map(Vec::len),
         Some(2),
-        "two stored blocks"
+        "two stored blocks (predictions are left out)"
     );
     let ready = app.get("/ready").await;
     assert_eq!(
@@ -226,7 +230,10 @@ async fn select_and_reserve_and_inspection_routes() {
         )
         .await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text);
-    assert_eq!(r.body["overlap"]["gpu"], 8);
+    assert_eq!(
+        r.body["overlap"]["gpu"], 16,
+        "two blocks stored, two predicted"
+    );
 }
 
 #[tokio::test]

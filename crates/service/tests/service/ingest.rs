@@ -889,3 +889,103 @@ async fn full_flow_with_three_fake_engines_over_http() {
         .unwrap();
     eventually("eviction applied", || device(&state, 3, 0, &prompt) == 1).await;
 }
+
+/// A counter of `/metrics`' text (0 when absent).
+fn counter(metrics: &str, series: &str) -> u64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Predict-on-route end to end: a booking's prompt counts as held on its rank before the engine
+/// says anything; the engine's own `Stored`, over ZeroMQ, confirms it and counts each block once;
+/// a prompt whose events never come expires with the tick; `/metrics` counts each outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_booking_is_predicted_until_the_engines_events_confirm_it() {
+    let app = TestApp::new();
+    let state = Arc::clone(&app.state);
+    let mut engines = Vec::new();
+    for worker_id in 1..=2u64 {
+        let mut engine = engine(false, Encoding::Map).await;
+        register(&app, worker(worker_id, &engine)).await;
+        warm_up(&mut engine, &state, worker_id, 0).await;
+        engines.push(engine);
+    }
+    let metrics = app.get("/metrics").await.text;
+    for outcome in ["confirmed", "expired", "withdrawn"] {
+        let series = format!("kvroute_predicted_blocks_total{{outcome=\"{outcome}\"}} 0");
+        assert!(metrics.contains(&series), "{series} in\n{metrics}");
+    }
+    let prompt = tokens(1, 4);
+    let booked = app
+        .post(
+            "/select_and_reserve",
+            json!({"model_name": MODEL, "token_ids": prompt, "reservation_id": "a"}),
+        )
+        .await;
+    assert_eq!(booked.status, 200, "{}", booked.text);
+    let w = booked.body["worker_id"].as_u64().unwrap();
+    assert_eq!(held(&state.selector, w, 0, &prompt), (4, 4, 4), "predicted");
+    let sizes = || {
+        let sizes = state.selector.read().index_sizes();
+        (sizes[0].1, sizes[0].2)
+    };
+    let predicted = sizes();
+    engines[w as usize - 1]
+        .publish_stored(None, &prompt, BLOCK, Some("GPU"))
+        .await
+        .unwrap();
+    eventually("the engine's blocks confirm the prediction", || {
+        state.selector.read().prediction_counters().confirmed == 4
+    })
+    .await;
+    assert_eq!(held(&state.selector, w, 0, &prompt), (4, 4, 4));
+    assert_eq!(
+        sizes(),
+        predicted,
+        "the engine's entries replaced the predicted ones: no block counted twice"
+    );
+
+    // A replayed selection whose engine never reports it: held until the TTL, then not.
+    let other = tokens(500, 3);
+    let sel = app
+        .post(
+            "/select",
+            json!({"model_name": MODEL, "token_ids": other, "selection_id": "b"}),
+        )
+        .await;
+    let wb = sel.body["worker_id"].as_u64().unwrap();
+    let replay = app
+        .post(
+            "/reservations",
+            json!({"model_name": MODEL, "selection_id": "b"}),
+        )
+        .await;
+    assert_eq!(replay.status, 201, "{}", replay.text);
+    eventually("the replay's prediction recorded", || {
+        held(&state.selector, wb, 0, &other) == (3, 3, 3)
+    })
+    .await;
+    state.tick(std::time::Instant::now() + Duration::from_secs(2));
+    assert_eq!(held(&state.selector, wb, 0, &other), (0, 0, 0));
+    let metrics = app.get("/metrics").await.text;
+    assert_eq!(
+        [
+            counter(
+                &metrics,
+                "kvroute_predicted_blocks_total{outcome=\"confirmed\"}"
+            ),
+            counter(
+                &metrics,
+                "kvroute_predicted_blocks_total{outcome=\"expired\"}"
+            ),
+            counter(
+                &metrics,
+                "kvroute_predicted_blocks_total{outcome=\"withdrawn\"}"
+            ),
+        ],
+        [4, 3, 0],
+        "{metrics}"
+    );
+}
