@@ -33,6 +33,11 @@ CONCURRENCY="${CONCURRENCY:-32}"
 MAX_PROMPT_TOKENS="${MAX_PROMPT_TOKENS:-16384}"
 DYNAMO_VERSION="${DYNAMO_VERSION:-1.6.1}"
 NS="${NS:-kvbench}"
+# kvroute's router profile. dynamo (the default here): Dynamo's weights and no prediction on
+# route, so both servers make the same decisions and the engines publish the same events, as in
+# every run before kvroute's own profile existed; kvroute: the service's default, whose
+# predict-on-route adds index work per booking (docs/perf-decisions.md).
+KVROUTE_PROFILE="${KVROUTE_PROFILE:-dynamo}"
 # Niceness of the fake engines' thread in the load generator: 19 stands in for engines on other
 # hosts (their publishing uses only CPU the servers and clients leave); 0 makes them compete.
 ENGINE_NICE="${ENGINE_NICE:-19}"
@@ -85,7 +90,7 @@ in_ns() { ip netns exec "$NS" "$@"; }
 
 in_ns "$venv/bin/python" -m dynamo.select_service --port "$DYN_PORT" >"$workdir/dynamo.log" 2>&1 &
 pids+=($!)
-in_ns "$kvroute" serve --port "$KV_PORT" >"$workdir/kvroute.log" 2>&1 &
+in_ns "$kvroute" serve --port "$KV_PORT" --router-profile "$KVROUTE_PROFILE" >"$workdir/kvroute.log" 2>&1 &
 pids+=($!)
 for port in "$DYN_PORT" "$KV_PORT"; do
   for _ in $(seq 1 100); do
@@ -96,7 +101,7 @@ done
 
 # The servers' own processes (each started through a subshell), for their CPU time.
 DYN_PID=$(pgrep -n -f "dynamo.select_service --port $DYN_PORT")
-KV_PID=$(pgrep -n -f "$kvroute serve --port $KV_PORT")
+KV_PID=$(pgrep -n -f "$kvroute serve --port $KV_PORT --router-profile")
 
 # A process's user and system CPU time (all threads), in clock ticks, as "user,system".
 cpu_ticks() { awk '{print $14 "," $15}' "/proc/$1/stat"; }
