@@ -752,23 +752,7 @@ mod tests {
         let mut r = SelectorRouter::new(2, &engine, dynamo_policy()).unwrap();
         let p = prompt(0..640);
         // Worker 1 (index 1) reports the prompt's 10 blocks: the selector prefers it.
-        let blocks = p
-            .sequence
-            .iter()
-            .zip(&p.local)
-            .map(|(&engine_hash, &local_hash)| StoredBlock {
-                engine_hash,
-                local_hash,
-            })
-            .collect();
-        r.on_kv_events(
-            1,
-            &[KvEvent::Stored {
-                parent: None,
-                blocks,
-                tier: kvroute_core::event::Tier::Device,
-            }],
-        );
+        r.on_kv_events(1, &[stored(&p)]);
         assert_eq!(r.route(0, &p, now, &mut rng).unwrap(), 1);
         r.on_first_token(0, now).unwrap();
         r.on_output_block(0, now).unwrap();
