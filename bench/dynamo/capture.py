@@ -117,15 +117,16 @@ class Recorder:
 
 
 class Service:
-    def __init__(self, python, port, log_path, extra_args=()):
+    def __init__(self, python, port, log_path, extra_args=(), extra_env=None):
         self.port = port
         self.log = open(log_path, "a")
-        self.log.write(f"\n===== start {time.strftime('%H:%M:%S')} args={list(extra_args)}\n")
+        self.log.write(f"\n===== start {time.strftime('%H:%M:%S')} args={list(extra_args)} "
+                       f"env={extra_env or {}}\n")
         self.log.flush()
         self.proc = subprocess.Popen(
             [python, "-m", "dynamo.select_service", "--port", str(port), *extra_args],
             stdout=self.log, stderr=subprocess.STDOUT,
-            env={**os.environ, "NO_COLOR": "1"},
+            env={**os.environ, "NO_COLOR": "1", **(extra_env or {})},
         )
         deadline = time.time() + 60
         while time.time() < deadline:
@@ -719,19 +720,629 @@ def scenario_misc(r, port, zmq_base):
            {"endpoint": f"tcp://{HOST}:{zmq_base}"})
 
 
+# ------------------------------------------------------------------ sessions, constraints, MM
+# Filled in by main(): the interpreter with ai-dynamo-runtime, the log file, the base port. The
+# sessions scenario starts extra service instances (no TTL flag, bad flag values) with them.
+RUNTIME = {}
+SESSION_TTL_SECS = 2
+
+
+def session_cli_checks(port):
+    """Start the service with good and bad --session-affinity-ttl-secs values. A bad value makes
+    it exit before binding; a good one is stopped (SIGINT) once /health answers."""
+    python = RUNTIME["python"]
+    cases = [
+        ("ttl_zero", ["--session-affinity-ttl-secs", "0"]),
+        ("ttl_half_second", ["--session-affinity-ttl-secs", "0.5"]),
+        ("ttl_above_max", ["--session-affinity-ttl-secs", "31536001"]),
+        ("ttl_huge", ["--session-affinity-ttl-secs", "18446744073709551616"]),
+        ("ttl_nan", ["--session-affinity-ttl-secs", "NaN"]),
+        ("ttl_inf", ["--session-affinity-ttl-secs", "inf"]),
+        ("ttl_negative_equals_form", ["--session-affinity-ttl-secs=-1"]),
+        ("ttl_negative_separate_arg", ["--session-affinity-ttl-secs", "-1"]),
+        ("ttl_not_a_number", ["--session-affinity-ttl-secs", "abc"]),
+        ("ttl_empty", ["--session-affinity-ttl-secs", ""]),
+        ("ttl_missing_value", ["--session-affinity-ttl-secs"]),
+        ("ttl_twice", ["--session-affinity-ttl-secs", "2", "--session-affinity-ttl-secs", "3"]),
+        ("ttl_one", ["--session-affinity-ttl-secs", "1"]),
+        ("ttl_fractional", ["--session-affinity-ttl-secs", "1.5"]),
+        ("ttl_exponent", ["--session-affinity-ttl-secs", "1e3"]),
+        ("ttl_max", ["--session-affinity-ttl-secs", "31536000"]),
+        ("session_mode_flag", ["--session-affinity-mode", "soft"]),
+        ("session_max_entries_flag", ["--session-affinity-max-entries", "10"]),
+    ]
+    results = []
+    for name, extra in cases:
+        argv = ["--port", str(port), *extra]
+        proc = subprocess.Popen([python, "-m", "dynamo.select_service", *argv],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env={**os.environ, "NO_COLOR": "1"})
+        started = False
+        deadline = time.time() + 30
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://{HOST}:{port}/health", timeout=1) as resp:
+                    started = resp.status == 200
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            if started:
+                break
+            time.sleep(0.2)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        try:
+            _, err = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        text = err.decode("utf-8", "replace")
+        entry = {"name": name, "args": ["python", "-m", "dynamo.select_service", *argv],
+                 "started": started}
+        if not started:
+            entry["exit_code"] = proc.returncode
+            if "Traceback (most recent call last)" in text:
+                # Python traceback with venv paths: keep only the exception line.
+                entry["exception"] = text.strip().splitlines()[-1]
+            else:
+                entry["stderr"] = text
+        results.append(entry)
+    return results
+
+
+def scenario_sessions(r, port, zmq_base):
+    """Session affinity, service started with --session-affinity-ttl-secs 2. Worker 1 holds
+    TOKENS_17 (4 blocks on GPU); workers 2 and 3 hold nothing, so an unconstrained select picks
+    worker 1 and a session bound to 2 or 3 shows up as a different worker_id."""
+    ttl = SESSION_TTL_SECS
+    T = TOKENS_17
+    pubs = [FakeEnginePublisher(zmq_base + i) for i in range(6)]
+
+    def sel(name, sid=None, note=None, **extra):
+        body = {"token_ids": T}
+        if sid is not None:
+            body["session_id"] = sid
+        body.update(extra)
+        return r.call(name, "POST", "/select", body, note=note)
+
+    def sar(name, sid, selection_id, note=None, **extra):
+        body = {"token_ids": T, "selection_id": selection_id}
+        if sid is not None:
+            body["session_id"] = sid
+        body.update(extra)
+        return r.call(name, "POST", "/select_and_reserve", body, note=note)
+
+    def free(name, selection_id, note=None):
+        return r.call(name, "DELETE", f"/reservations/{selection_id}", note=note)
+
+    try:
+        # ---- A: a second instance without the TTL flag: session fields are ignored
+        no_ttl_port = port + 1
+        svc2 = Service(RUNTIME["python"], no_ttl_port, RUNTIME["log"])
+        r2 = Recorder(no_ttl_port)
+        try:
+            nt = "second instance started WITHOUT --session-affinity-ttl-secs"
+            r2.call("no_ttl_upsert_worker_1", "POST", "/workers", worker(1, zmq_base + 4), note=nt)
+            r2.call("no_ttl_upsert_worker_2", "POST", "/workers", worker(2, zmq_base + 5), note=nt)
+            assert pubs[4].wait_subscribed()
+            seed_events(pubs[4], T, [1001, 1002, 1003, 1004])
+            wait_overlap(no_ttl_port, T, 1, 4)
+            r2.call("no_ttl_select_and_reserve_session_on_2", "POST", "/select_and_reserve",
+                    {"token_ids": T, "selection_id": "nt-1", "session_id": "n",
+                     "allowed_worker_ids": [2]}, note=nt)
+            r2.call("no_ttl_select_same_session", "POST", "/select",
+                    {"token_ids": T, "session_id": "n"},
+                    note=nt + "; with the flag this would go to worker 2")
+            r2.call("no_ttl_select_and_reserve_same_session", "POST", "/select_and_reserve",
+                    {"token_ids": T, "selection_id": "nt-2", "session_id": "n"}, note=nt)
+            r2.call("no_ttl_session_id_257_bytes", "POST", "/select",
+                    {"token_ids": T, "session_id": "s" * 257},
+                    note=nt + "; with the flag this is a 400")
+            r2.call("no_ttl_session_context_wrong_type", "POST", "/select",
+                    {"token_ids": T, "session_context": "n"}, note=nt)
+        finally:
+            svc2.stop()
+        r.exchanges.extend(r2.exchanges)
+
+        # ---- B: the TTL instance
+        r.call("upsert_worker_1", "POST", "/workers", worker(1, zmq_base))
+        r.call("upsert_worker_2", "POST", "/workers",
+               worker(2, zmq_base + 1, total_kv_blocks=1000, max_num_batched_tokens=1000),
+               note="capacities known, so decode_busy / prefill_busy are computed for worker 2 "
+                    "(service env sets both busy thresholds to 0.5)")
+        r.call("upsert_worker_3", "POST", "/workers", worker(3, zmq_base + 2))
+        r.call("upsert_worker_4_other_model", "POST", "/workers",
+               worker(4, zmq_base + 3, model_name="m2"))
+        assert pubs[0].wait_subscribed()
+        seed_events(pubs[0], T, [1001, 1002, 1003, 1004])
+        wait_overlap(port, T, 1, 4)
+        sel("select_no_session", note="worker 1 holds the prompt: the natural choice")
+
+        # when is a binding made?
+        sel("q_select_allowed_2", "q", allowed_worker_ids=[2])
+        sel("q_select_again", "q", note="/select alone does not bind a session")
+        sel("rp_select_with_selection_id_allowed_2", "rp", selection_id="rp-1",
+            allowed_worker_ids=[2])
+        sel("rp_select_before_replay", "rp", note="not bound yet")
+        r.call("rp_replay", "POST", "/reservations", {"selection_id": "rp-1"})
+        sel("rp_select_after_replay", "rp", note="replaying a /select that carried the session binds it")
+        r.call("e_explicit_reservation_with_session_id", "POST", "/reservations",
+               {"selection_id": "e-1", "worker_id": 2, "token_ids": T, "session_id": "e"},
+               note="explicit bookings have no session fields (session_id ignored)")
+        sel("e_select", "e", note="explicit booking did not bind")
+        sar("b_select_and_reserve_allowed_2", "b", "b-1", allowed_worker_ids=[2])
+        sel("b_select", "b", note="bound to worker 2 although worker 1 has 4 blocks of overlap")
+        sel("b_select_session_context", None, session_context={"session_id": "b"})
+        sar("b_select_and_reserve_again", "b", "b-2")
+        sel("b_select_other_model", "b", model_name="m2",
+            note="session tables are per partition: no binding in m2")
+
+        # load on the bound worker
+        r.call("book_big_on_worker_2", "POST", "/reservations",
+               {"selection_id": "big-1", "worker_id": 2, "token_ids": list(range(1000, 5000)),
+                "effective_prefill_tokens": 4000, "expected_output_tokens": 100})
+        sel("no_session_allowed_2_3_after_load", None, allowed_worker_ids=[2, 3])
+        sel("b_select_worker_2_loaded", "b",
+            note="still worker 2: potential_decode_blocks 1005 of 1000, decode_busy")
+        sel("b_select_advisory_worker_2_busy", "b", advisory=True,
+            note="prefill_busy: 4000+ active prefill tokens of 1000")
+        sel("b_select_allowed_2_3_worker_2_loaded", "b", allowed_worker_ids=[2, 3])
+        sar("b_select_and_reserve_worker_2_loaded", "b", "b-3")
+        sel("no_session_affinity_target_2_loaded", None, affinity_target={"worker_id": 2},
+            note="affinity_target without a session: worker 2 despite its load")
+        sel("no_session_affinity_target_2_rank_0", None,
+            affinity_target={"worker_id": 2, "dp_rank": 0})
+        sel("no_session_affinity_target_2_rank_5", None,
+            affinity_target={"worker_id": 2, "dp_rank": 5})
+        sel("no_session_affinity_target_unknown", None, affinity_target={"worker_id": 99})
+        free("free_big_1", "big-1")
+
+        # a bound session against allowed_worker_ids / pinned_worker / affinity_target
+        sel("b_select_allowed_1", "b", allowed_worker_ids=[1])
+        sel("b_select_after_allowed_1", "b", note="binding kept")
+        sel("b_select_pinned_1", "b", pinned_worker={"worker_id": 1, "dp_rank": 0})
+        sel("b_select_after_pinned_1", "b", note="binding kept")
+        sel("b_select_affinity_target_1", "b", affinity_target={"worker_id": 1})
+        sar("b_select_and_reserve_pinned_1", "b", "b-4", pinned_worker={"worker_id": 1, "dp_rank": 0})
+        sel("b_select_after_reserve_pinned_1", "b", note="binding kept")
+        sar("b_select_and_reserve_allowed_1", "b", "b-5", allowed_worker_ids=[1])
+        free("b_free_rejected_booking", "b-5", note="the rejected request booked nothing")
+        sel("b_select_after_rejected_reserve", "b", note="the rejection invalidated the binding")
+        sar("b_select_and_reserve_rebinds", "b", "b-6")
+        sel("b_select_after_rebind", "b")
+        sar("b_select_and_reserve_affinity_target_2", "b", "b-7", affinity_target={"worker_id": 2})
+        sel("b_select_after_affinity_target_reserve", "b")
+        r.call("loads_bookings", "GET", "/loads")
+        for sid in ("b-1", "b-2", "b-3", "b-4", "b-6", "b-7"):
+            quiet_delete(port, f"/reservations/{sid}")
+
+        # TTL: a live booking holds the binding; the TTL runs from its release
+        sar("k_select_and_reserve_allowed_2", "k", "k-1", allowed_worker_ids=[2])
+        time.sleep(ttl + 1.0)
+        sel("k_select_booking_older_than_ttl", "k", note=f"booking held {ttl + 1.0} s > TTL {ttl} s")
+        r.call("k_prefill_complete", "POST", "/reservations/k-1/prefill_complete")
+        free("k_free", "k-1")
+        free("rp_free", "rp-1")
+        sel("k_select_right_after_free", "k")
+        time.sleep(1.0)
+        sel("k_select_1s_after_free", "k", note=f"1.0 s after free (TTL {ttl} s)")
+        time.sleep(ttl + 0.5 - 1.0)
+        sel("k_select_2_5s_after_free", "k",
+            note=f"{ttl + 0.5} s after free: expired; the /select at 1.0 s did not refresh it")
+        sel("rp_select_after_free_and_ttl", "rp", note="replay binding expired the same way")
+        sar("m_select_and_reserve_allowed_2", "m", "m-1", allowed_worker_ids=[2])
+        free("m_free_1", "m-1")
+        time.sleep(1.0)
+        sar("m_select_and_reserve_1s_later", "m", "m-2", note="1.0 s after the first free")
+        free("m_free_2", "m-2")
+        time.sleep(ttl + 0.5 - 1.0)
+        sel("m_select_2_5s_after_first_free", "m",
+            note=f"{ttl + 0.5} s after the first free, 1.5 s after the second: a booking refreshes")
+        time.sleep(1.5)
+        sel("m_select_3s_after_second_free", "m", note="expired")
+        sar("m_select_and_reserve_after_expiry", "m", "m-3", note="binds anew (natural choice)")
+        sel("m_select_after_new_binding", "m")
+        free("m_free_3", "m-3")
+
+        # session_final, parent_session_id, input_trigger
+        sar("f_select_and_reserve_allowed_2", "f", "f-1", allowed_worker_ids=[2])
+        sar("f_select_and_reserve_final", None, "f-2",
+            session_context={"session_id": "f", "session_final": True})
+        sel("f_select_after_final_booked", "f")
+        free("f_free_final", "f-2")
+        sel("f_select_after_final_freed", "f")
+        free("f_free_first", "f-1")
+        sel("f_select_after_all_freed", "f", note=f"within the {ttl} s TTL: still bound")
+        sar("f0_first_request_final", None, "f0-1", allowed_worker_ids=[2],
+            session_context={"session_id": "f0", "session_final": True})
+        free("f0_free", "f0-1")
+        sel("f0_select_after_free", "f0", note="a final first request still binds")
+        sar("c_child_a_parent_p_allowed_2", None, "ca-1", allowed_worker_ids=[2],
+            session_context={"session_id": "child-a", "parent_session_id": "P"})
+        sel("c_child_b_same_parent", None,
+            session_context={"session_id": "child-b", "parent_session_id": "P"},
+            note="siblings do not share a binding")
+        sel("c_child_a_again", None,
+            session_context={"session_id": "child-a", "parent_session_id": "P"})
+        sel("c_child_a_without_parent", "child-a", note="keyed on session_id alone")
+        sel("c_parent_session", "P", note="the parent is not bound")
+        sel("c_child_a_input_trigger", None,
+            session_context={"session_id": "child-a", "input_trigger": "tool_result"})
+        sel("c_session_context_wins_over_session_id", "P",
+            session_context={"session_id": "child-a"})
+        free("c_free", "ca-1")
+
+        # the bound worker leaves / becomes incomplete
+        sar("d_select_and_reserve_allowed_3", "d", "d-1", allowed_worker_ids=[3])
+        sel("d_select", "d")
+        r.call("d_delete_worker_3", "DELETE", "/workers/3")
+        sel("d_select_after_delete", "d")
+        sar("d_select_and_reserve_after_delete", "d", "d-2")
+        r.call("d_readd_worker_3", "POST", "/workers", worker(3, zmq_base + 2))
+        sel("d_select_after_readd", "d", note="stays on the new binding")
+        free("d_free", "d-2")
+        sar("u_select_and_reserve_allowed_2", "u", "u-1", allowed_worker_ids=[2])
+        sar("u2_select_and_reserve_allowed_2", "u2", "u2-1", allowed_worker_ids=[2])
+        r.call("u_patch_schedulable_false", "PATCH", "/workers/2", {"schedulable": False},
+               note="not a Dynamo field: ignored")
+        sel("u_select_after_schedulable_false", "u")
+        r.call("u_patch_endpoint_empty", "PATCH", "/workers/2", {"endpoint": ""},
+               note="makes worker 2 incomplete")
+        sel("u_select_worker_incomplete", "u")
+        sar("u2_select_and_reserve_worker_incomplete", "u2", "u2-2")
+        r.call("u_loads_worker_incomplete", "GET", "/loads")
+        free("u_free_booking_of_incomplete_worker", "u-1")
+        r.call("u_patch_endpoint_back", "PATCH", "/workers/2", {"endpoint": "http://worker-2:8000"})
+        sel("u_select_worker_back", "u", note=f"within {ttl} s of the worker leaving")
+        sel("u2_select_worker_back", "u2")
+        free("u2_free", "u2-2")
+
+        # empty and long ids
+        sar("empty_session_id_select_and_reserve_allowed_3", "", "emp-1", allowed_worker_ids=[3])
+        sel("empty_session_id_select", "", note="an empty session_id is a session like any other")
+        free("empty_free", "emp-1")
+        sel("session_id_256_bytes", "s" * 256)
+        sel("session_id_257_bytes", "s" * 257)
+        sar("select_and_reserve_session_id_257_bytes", "s" * 257, "long-1")
+        sel("session_context_session_id_257_bytes", None, session_context={"session_id": "s" * 257})
+
+        # malformed session fields
+        bad = [
+            ("session_id_number", {"session_id": 5}),
+            ("session_id_null", {"session_id": None}),
+            ("session_context_string", {"session_context": "x"}),
+            ("session_context_null", {"session_context": None}),
+            ("session_context_empty", {"session_context": {}}),
+            ("session_context_session_id_number", {"session_context": {"session_id": 5}}),
+            ("session_context_bad_input_trigger", {"session_context": {"session_id": "a", "input_trigger": "bogus"}}),
+            ("session_context_session_final_string", {"session_context": {"session_id": "a", "session_final": "yes"}}),
+            ("session_context_parent_number", {"session_context": {"session_id": "a", "parent_session_id": 5}}),
+            ("session_context_unknown_field", {"session_context": {"session_id": "a", "nope": 1}}),
+            ("affinity_target_no_worker_id", {"affinity_target": {"dp_rank": 0}}),
+            ("affinity_target_string", {"affinity_target": "1"}),
+        ]
+        for name, extra in bad:
+            sel(f"bad_select_{name}", None, **extra)
+        sar("bad_select_and_reserve_session_id_number", None, "bad-1", session_id=5)
+        sar("bad_select_and_reserve_session_context_empty", None, "bad-2", session_context={})
+        return {"cli": session_cli_checks(port + 2)}
+    finally:
+        for p in pubs:
+            p.close()
+
+
+def scenario_constraints(r, port, zmq_base):
+    """Worker taints / topology_domains and request routing_constraints. Worker 1 holds
+    TOKENS_17 (4 GPU blocks) and has no taints; 2 and 3 hold nothing."""
+    T = TOKENS_17
+    pubs = [FakeEnginePublisher(zmq_base + i) for i in range(5)]
+
+    def sel(name, rc=_NO_BODY, note=None, **extra):
+        body = {"token_ids": T}
+        if rc is not _NO_BODY:
+            body["routing_constraints"] = rc
+        body.update(extra)
+        return r.call(name, "POST", "/select", body, note=note)
+
+    try:
+        r.call("upsert_worker_1_no_taints", "POST", "/workers", worker(1, zmq_base))
+        r.call("upsert_worker_2_taints_topology", "POST", "/workers", worker(
+            2, zmq_base + 1, taints=["gpu=h100", "pref"], topology_domains={"zone": "a", "rack": "r1"}))
+        r.call("upsert_worker_3_taints_topology", "POST", "/workers", worker(
+            3, zmq_base + 2, taints=["gpu=a100", "other"], topology_domains={"zone": "b"}))
+        r.call("upsert_worker_4_reserved_topology_taint", "POST", "/workers", worker(
+            4, zmq_base + 3, model_name="m-topo", taints=["dynamo.topology/zone=c"],
+            topology_domains={"zone": "a"}),
+            note="a caller-supplied dynamo.topology/ taint that disagrees with topology_domains")
+        r.call("upsert_worker_5_kv_transfer_fields", "POST", "/workers", worker(
+            5, zmq_base + 4, model_name="m-kvt", topology_domains={"zone": "a"},
+            kv_transfer_domain="zone", kv_transfer_enforcement="required",
+            kv_transfer_preferred_weight=1.5))
+        r.call("upsert_duplicate_taints", "POST", "/workers",
+               worker(9, zmq_base + 4, model_name="m-dup", taints=["a", "a"]))
+        r.call("list_workers", "GET", "/workers")
+        assert pubs[0].wait_subscribed()
+        seed_events(pubs[0], T, [1001, 1002, 1003, 1004])
+        wait_overlap(port, T, 1, 4)
+        sel("no_constraints", note="worker 1 (overlap) wins")
+        # required_taints: hard filter
+        sel("required_gpu_h100", {"required_taints": ["gpu=h100"]})
+        sel("required_gpu_a100", {"required_taints": ["gpu=a100"]})
+        sel("required_two_taints_same_worker", {"required_taints": ["gpu=h100", "pref"]})
+        sel("required_two_taints_no_worker", {"required_taints": ["gpu=h100", "gpu=a100"]})
+        sel("required_unknown_taint", {"required_taints": ["nope"]})
+        sel("required_empty_list", {"required_taints": []})
+        sel("required_duplicate_entries", {"required_taints": ["pref", "pref"]})
+        sel("required_topology_taint_from_domains", {"required_taints": ["dynamo.topology/zone=a"]},
+            note="topology_domains are not turned into taints")
+        sel("required_literal_topology_taint", {"required_taints": ["dynamo.topology/zone=c"]},
+            model_name="m-topo")
+        sel("required_topology_taint_from_domains_m_topo", {"required_taints": ["dynamo.topology/zone=a"]},
+            model_name="m-topo")
+        sel("required_with_pinned_untainted_worker", {"required_taints": ["gpu=h100"]},
+            pinned_worker={"worker_id": 1, "dp_rank": 0})
+        sel("required_with_pinned_tainted_worker", {"required_taints": ["gpu=h100"]},
+            pinned_worker={"worker_id": 2, "dp_rank": 0})
+        sel("required_with_allowed_excluding_match", {"required_taints": ["gpu=h100"]},
+            allowed_worker_ids=[1, 3])
+        sel("required_with_affinity_target_untainted", {"required_taints": ["gpu=h100"]},
+            affinity_target={"worker_id": 1}, note="the ineligible target is ignored")
+        r.call("select_and_reserve_required", "POST", "/select_and_reserve",
+               {"token_ids": T, "selection_id": "c-1", "routing_constraints": {"required_taints": ["gpu=a100"]}})
+        r.call("select_and_reserve_required_no_worker", "POST", "/select_and_reserve",
+               {"token_ids": T, "selection_id": "c-2", "routing_constraints": {"required_taints": ["nope"]}})
+        r.call("free_c1", "DELETE", "/reservations/c-1")
+        r.call("overlap_scores_ignore_constraints", "POST", "/overlap_scores",
+               {"token_ids": T, "routing_constraints": {"required_taints": ["nope"]}})
+        r.call("potential_loads_ignore_constraints", "POST", "/potential_loads",
+               {"token_ids": T, "routing_constraints": {"required_taints": ["nope"]}})
+        # preferred_taints: cost multiplier exp(-tanh(sum of matching weights))
+        sel("preferred_pref_0_5", {"preferred_taints": {"pref": 0.5}}, note="multiplier 0.65 on worker 2: not enough")
+        sel("preferred_pref_1_0", {"preferred_taints": {"pref": 1.0}}, note="multiplier 0.47 on worker 2: enough")
+        sel("preferred_pref_5", {"preferred_taints": {"pref": 5.0}})
+        sel("preferred_pref_1e39", {"preferred_taints": {"pref": 1e39}})
+        sel("preferred_pref_negative", {"preferred_taints": {"pref": -5.0}})
+        sel("preferred_zero_weight", {"preferred_taints": {"pref": 0.0}})
+        sel("preferred_unmatched_taint", {"preferred_taints": {"nope": 5.0}})
+        sel("preferred_opposite_weights_cancel", {"preferred_taints": {"pref": 5.0, "gpu=h100": -5.0}},
+            note="both on worker 2: sum 0, multiplier 1")
+        sel("preferred_worker_3_heavier", {"preferred_taints": {"pref": 1.0, "other": 2.0}},
+            allowed_worker_ids=[2, 3])
+        sel("preferred_worker_2_heavier", {"preferred_taints": {"pref": 2.0, "other": 1.0}},
+            allowed_worker_ids=[2, 3])
+        sel("required_and_preferred", {"required_taints": ["gpu=a100"], "preferred_taints": {"pref": 5.0}})
+        r.call("patch_worker_1_taint_spot", "PATCH", "/workers/1", {"taints": ["spot"]})
+        sel("preferred_spot_minus_0_5", {"preferred_taints": {"spot": -0.5}}, allowed_worker_ids=[1, 2],
+            note="multiplier 1.59 on worker 1: not enough")
+        sel("preferred_spot_minus_1_0", {"preferred_taints": {"spot": -1.0}}, allowed_worker_ids=[1, 2],
+            note="multiplier 2.14 on worker 1: enough")
+        sel("required_spot_after_patch", {"required_taints": ["spot"]})
+        r.call("patch_worker_1_clear_taints", "PATCH", "/workers/1", {"taints": []})
+        sel("required_spot_after_clear", {"required_taints": ["spot"]})
+        r.call("patch_worker_1_topology", "PATCH", "/workers/1", {"topology_domains": {"zone": "z"}})
+        sel("required_topology_taint_after_patch", {"required_taints": ["dynamo.topology/zone=z"]})
+        # a session bound to a worker the constraints exclude
+        r.call("t_select_and_reserve_session_on_1", "POST", "/select_and_reserve",
+               {"token_ids": T, "selection_id": "t-1", "session_id": "t"})
+        sel("t_select_required_excludes_bound_worker", {"required_taints": ["gpu=h100"]}, session_id="t")
+        sel("t_select_after", session_id="t", note="binding kept")
+        sel("t_select_preferred_away_from_bound_worker", {"preferred_taints": {"pref": 5.0}}, session_id="t")
+        r.call("t_select_and_reserve_required_excludes_bound_worker", "POST", "/select_and_reserve",
+               {"token_ids": T, "selection_id": "t-2", "session_id": "t",
+                "routing_constraints": {"required_taints": ["gpu=h100"]}})
+        sel("t_select_after_rejected_reserve", session_id="t")
+        for sid in ("t-1", "t-2"):
+            quiet_delete(port, f"/reservations/{sid}")
+        # shapes
+        sel("sequence_form_required", [["gpu=h100"]], note="serde also accepts a struct as a sequence")
+        sel("sequence_form_empty", [])
+        sel("sequence_form_preferred", [[], {"pref": 5.0}])
+        sel("unknown_constraint_key", {"required_taints": [], "tolerations": ["x"]})
+        sel("topology_constraint_key", {"topology": {"zone": "a"}})
+        for name, rc in [
+            ("routing_constraints_string", "x"),
+            ("routing_constraints_null", None),
+            ("required_taints_string", {"required_taints": "gpu=h100"}),
+            ("required_taints_number_item", {"required_taints": [1]}),
+            ("required_taints_null", {"required_taints": None}),
+            ("preferred_taints_list", {"preferred_taints": ["pref"]}),
+            ("preferred_weight_string", {"preferred_taints": {"pref": "high"}}),
+            ("preferred_weight_null", {"preferred_taints": {"pref": None}}),
+            ("sequence_form_too_long", [[], {}, 1]),
+        ]:
+            sel(f"bad_{name}", rc)
+        for name, extra in [
+            ("taints_string", {"taints": "gpu"}),
+            ("taints_number_item", {"taints": [1]}),
+            ("taints_null", {"taints": None}),
+            ("topology_domains_list", {"topology_domains": ["a"]}),
+            ("topology_domains_number_value", {"topology_domains": {"zone": 5}}),
+            ("kv_transfer_enforcement_unknown", {"kv_transfer_enforcement": "strict"}),
+            ("kv_transfer_preferred_weight_string", {"kv_transfer_preferred_weight": "x"}),
+        ]:
+            r.call(f"bad_worker_{name}", "POST", "/workers",
+                   worker(10, zmq_base + 4, model_name="m-bad", **extra))
+        r.call("bad_patch_taints_string", "PATCH", "/workers/1", {"taints": "gpu"})
+    finally:
+        for p in pubs:
+            p.close()
+
+
+def block_hashes_via_python_api(tokens, block_mm_infos=None, is_eagle=None):
+    """Dynamo's own local block hashes (dynamo.llm.compute_block_hash_for_seq), for notes."""
+    code = ("import json,sys; from dynamo.llm import compute_block_hash_for_seq as h; "
+            "a=json.load(sys.stdin); print(json.dumps(h(a[0], 4, a[1], None, a[2])))")
+    out = subprocess.run([RUNTIME["python"], "-c", code], input=json.dumps([tokens, block_mm_infos, is_eagle]),
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out)
+
+
+def scenario_multimodal(r, port, zmq_base):
+    """block_mm_infos / mm_routing_info / is_eagle. Events carry MM info either in Dynamo's own
+    block_mm_infos (array position 9) or in vLLM's extra_keys (position 8)."""
+    T = TOKENS_17
+    pubs = [FakeEnginePublisher(zmq_base + i) for i in range(7)]
+    mm_x, mm_y = 0xDEADBEEF, 0xCAFE
+
+    def info(mm_hash, offsets=None):
+        return {"mm_objects": [{"mm_hash": mm_hash, "offsets": offsets if offsets is not None else [[0, 3]]}]}
+
+    marked_x = f"{mm_x:016x}" + "0" * 48  # Dynamo's marker form: 16 hex digits + 48 zeros
+    native_x = f"{mm_x:016x}" + "ab" * 24  # a 64-hex vLLM hash without the marker padding
+
+    def ov(name, note=None, **extra):
+        body = {"token_ids": T}
+        body.update(extra)
+        body = {k: v for k, v in body.items() if v is not None or k != "token_ids"}
+        return r.call(name, "POST", "/overlap_scores", body, note=note)
+
+    try:
+        r.call("upsert_worker_1", "POST", "/workers", worker(1, zmq_base),
+               note="events: 4 blocks, block 0 with mm X via block_mm_infos (position 9)")
+        r.call("upsert_worker_2", "POST", "/workers", worker(2, zmq_base + 1),
+               note="events: 3 blocks, block 0 with mm X via extra_keys marker string")
+        r.call("upsert_worker_3", "POST", "/workers", worker(3, zmq_base + 2),
+               note="events: 4 blocks, block 0 extra_keys = native 64-hex id (not the marker form)")
+        r.call("upsert_worker_4", "POST", "/workers", worker(4, zmq_base + 3),
+               note="events: 2 blocks, block 0 with mm X via extra_keys [marker, start_offset] pair")
+        r.call("upsert_worker_5", "POST", "/workers", worker(5, zmq_base + 4),
+               note="events: 1 block, no extras")
+        r.call("upsert_worker_6", "POST", "/workers", worker(6, zmq_base + 5),
+               note="events: 4 blocks, extra_keys block 0 = dynamo-cache-salt:salt-1")
+        for p in pubs[:6]:
+            assert p.wait_subscribed()
+        pubs[0].publish([block_stored([1001, 1002, 1003, 1004], None, T[:16], 4, "GPU",
+                                      block_mm_infos=[info(mm_x), None, None, None])])
+        pubs[1].publish([block_stored([2001, 2002, 2003], None, T[:12], 4, "GPU",
+                                      extra_keys=[[marked_x], None, None])])
+        pubs[2].publish([block_stored([3001, 3002, 3003, 3004], None, T[:16], 4, "GPU",
+                                      extra_keys=[[native_x], None, None, None])])
+        pubs[3].publish([block_stored([4001, 4002], None, T[:8], 4, "GPU",
+                                      extra_keys=[[[marked_x, 0]], None])])
+        pubs[4].publish([block_stored([5001], None, T[:4], 4, "GPU")])
+        pubs[5].publish([block_stored([6001, 6002, 6003, 6004], None, T[:16], 4, "GPU",
+                                      extra_keys=[["dynamo-cache-salt:salt-1"], None, None, None])])
+        wait_overlap(port, T, 3, 4)
+        time.sleep(1.0)
+        plain = block_hashes_via_python_api(T)
+        with_x = block_hashes_via_python_api(T, [info(mm_x), None, None, None])
+        with_y = block_hashes_via_python_api(T, [info(mm_y), None, None, None])
+        r.call("dump", "GET", "/dump", note=(
+            f"compute_block_hash_for_seq(TOKENS_17, 4): plain {plain}, mm X on block 0 {with_x}, "
+            f"mm Y on block 0 {with_y}; offsets do not enter the hash"))
+        ov("overlap_plain_tokens")
+        ov("overlap_mm_x", block_mm_infos=[info(mm_x), None, None, None])
+        ov("overlap_mm_x_list_shorter_than_blocks", block_mm_infos=[info(mm_x)])
+        ov("overlap_mm_x_list_longer_than_blocks", block_mm_infos=[info(mm_x)] + [None] * 10)
+        ov("overlap_mm_x_other_offsets", block_mm_infos=[info(mm_x, [[1, 2]]), None, None, None])
+        ov("overlap_mm_x_empty_offsets", block_mm_infos=[info(mm_x, [])])
+        ov("overlap_mm_y", block_mm_infos=[info(mm_y), None, None, None])
+        ov("overlap_mm_x_on_block_2", block_mm_infos=[None, None, info(mm_x), None])
+        ov("overlap_empty_mm_objects", block_mm_infos=[{"mm_objects": []}],
+           note="no objects = no MM content")
+        ov("overlap_two_objects", block_mm_infos=[{"mm_objects": [
+            {"mm_hash": mm_x, "offsets": []}, {"mm_hash": mm_y, "offsets": []}]}])
+        ov("overlap_block_mm_infos_null", block_mm_infos=None)
+        ov("overlap_cache_salt", cache_salt="salt-1")
+        ov("overlap_mm_routing_info_x", token_ids=[9, 9, 9, 9],
+           mm_routing_info={"routing_token_ids": T, "block_mm_infos": [info(mm_x)]},
+           note="routing_token_ids replace token_ids for routing")
+        ov("overlap_mm_routing_info_without_mm", token_ids=[9, 9, 9, 9],
+           mm_routing_info={"routing_token_ids": T})
+        ov("overlap_mm_routing_info_empty_routing_tokens",
+           mm_routing_info={"routing_token_ids": [], "block_mm_infos": [info(mm_x)]},
+           note="empty routing_token_ids: token_ids used, mm_routing_info ignored entirely")
+        ov("overlap_mm_routing_info_and_top_level_block_mm_infos",
+           mm_routing_info={"routing_token_ids": T}, block_mm_infos=[info(mm_x)],
+           note="top-level block_mm_infos ignored when mm_routing_info is used")
+        r.call("overlap_mm_routing_info_only", "POST", "/overlap_scores",
+               {"mm_routing_info": {"routing_token_ids": T, "block_mm_infos": [info(mm_x)]}})
+        r.call("overlap_hashes_with_block_mm_infos", "POST", "/overlap_scores", {
+            "block_hashes": LOCAL_HASHES_I64, "sequence_hashes": SEQ_HASHES_I64, "isl_tokens": 17,
+            "block_mm_infos": [info(mm_x)]}, note="explicit hashes: block_mm_infos ignored")
+        r.call("select_plain", "POST", "/select", {"token_ids": T})
+        r.call("select_mm_x", "POST", "/select", {"token_ids": T, "block_mm_infos": [info(mm_x)]})
+        r.call("select_mm_routing_info_only", "POST", "/select",
+               {"mm_routing_info": {"routing_token_ids": T, "block_mm_infos": [info(mm_x)]}})
+        r.call("select_cache_salt", "POST", "/select", {"token_ids": T, "cache_salt": "salt-1"})
+        r.call("select_and_reserve_mm_x", "POST", "/select_and_reserve",
+               {"token_ids": T, "selection_id": "mx-1", "block_mm_infos": [info(mm_x)]})
+        r.call("reservation_explicit_mm_routing_info", "POST", "/reservations", {
+            "selection_id": "mx-2", "worker_id": 1,
+            "mm_routing_info": {"routing_token_ids": T, "block_mm_infos": [info(mm_x)]}})
+        r.call("potential_loads_mm_x", "POST", "/potential_loads",
+               {"token_ids": T, "block_mm_infos": [info(mm_x)]},
+               note="list order is not by worker_id")
+        r.call("loads_after_bookings", "GET", "/loads")
+        quiet_delete(port, "/reservations/mx-1")
+        quiet_delete(port, "/reservations/mx-2")
+        # Eagle
+        eagle = block_hashes_via_python_api(T, None, True)
+        ov("overlap_is_eagle_true", is_eagle=True,
+           note=f"Eagle local hashes of TOKENS_17 (windows of 5, stride 4): {eagle}")
+        ov("overlap_is_eagle_false", is_eagle=False)
+        ov("overlap_is_eagle_null", is_eagle=None)
+        r.call("upsert_eagle_worker", "POST", "/workers",
+               worker(7, zmq_base + 6, model_name="m-eagle", is_eagle=True))
+        assert pubs[6].wait_subscribed()
+        pubs[6].publish([block_stored([7001, 7002, 7003, 7004], None, T, 4, "GPU")])
+        time.sleep(1.0)
+        r.call("dump_eagle_partition", "GET", "/dump",
+               note="the event's blocks get non-Eagle local hashes although the worker is_eagle")
+        ov("overlap_eagle_partition_default", model_name="m-eagle",
+           note="request default follows the worker's is_eagle")
+        ov("overlap_eagle_partition_is_eagle_false", model_name="m-eagle", is_eagle=False)
+        ov("overlap_eagle_partition_is_eagle_true", model_name="m-eagle", is_eagle=True)
+        r.call("select_eagle_partition_default", "POST", "/select",
+               {"token_ids": T, "model_name": "m-eagle"})
+        # malformed
+        bad = [
+            ("block_mm_infos_string", {"block_mm_infos": "x"}),
+            ("block_mm_infos_object", {"block_mm_infos": {"mm_objects": []}}),
+            ("block_mm_infos_item_missing_mm_objects", {"block_mm_infos": [{}]}),
+            ("mm_hash_string", {"block_mm_infos": [{"mm_objects": [{"mm_hash": "abc", "offsets": []}]}]}),
+            ("mm_object_missing_offsets", {"block_mm_infos": [{"mm_objects": [{"mm_hash": 1}]}]}),
+            ("mm_object_missing_mm_hash", {"block_mm_infos": [{"mm_objects": [{"offsets": []}]}]}),
+            ("mm_hash_negative", {"block_mm_infos": [{"mm_objects": [{"mm_hash": -1, "offsets": []}]}]}),
+            ("mm_hash_above_u64", {"block_mm_infos": [{"mm_objects": [{"mm_hash": 18446744073709551616, "offsets": []}]}]}),
+            ("offsets_pair_of_one", {"block_mm_infos": [{"mm_objects": [{"mm_hash": 1, "offsets": [[1]]}]}]}),
+            ("offsets_triple", {"block_mm_infos": [{"mm_objects": [{"mm_hash": 1, "offsets": [[1, 2, 3]]}]}]}),
+            ("offsets_negative", {"block_mm_infos": [{"mm_objects": [{"mm_hash": 1, "offsets": [[-1, 2]]}]}]}),
+            ("mm_routing_info_string", {"mm_routing_info": "x"}),
+            ("mm_routing_info_empty", {"mm_routing_info": {}}),
+            ("mm_routing_info_block_mm_infos_null", {"mm_routing_info": {"routing_token_ids": T, "block_mm_infos": None}}),
+            ("mm_routing_info_negative_token", {"mm_routing_info": {"routing_token_ids": [-1]}}),
+            ("is_eagle_string", {"is_eagle": "yes"}),
+        ]
+        for name, extra in bad:
+            r.call(f"bad_select_{name}", "POST", "/select", {"token_ids": T, **extra})
+        r.call("overlap_mm_hash_u64_max", "POST", "/overlap_scores", {
+            "token_ids": T, "block_mm_infos": [{"mm_objects": [{"mm_hash": 18446744073709551615, "offsets": []}]}]})
+        r.call("bad_overlap_mm_object_missing_offsets", "POST", "/overlap_scores",
+               {"token_ids": T, "block_mm_infos": [{"mm_objects": [{"mm_hash": 1}]}]})
+        r.call("bad_worker_is_eagle_string", "POST", "/workers",
+               worker(8, zmq_base + 6, model_name="m-bad", is_eagle="yes"))
+    finally:
+        for p in pubs:
+            p.close()
+
+
 def write_doc(path, doc, list_key):
-    """Compact but diffable: header fields first, then one list item per line."""
+    """Compact but diffable: header fields first, then one list item per line. `list_key` is
+    the name of the list written last, or a tuple of such names (written in that order)."""
+    list_keys = (list_key,) if isinstance(list_key, str) else tuple(list_key)
     with open(path, "w") as f:
         f.write("{\n")
         for k, v in doc.items():
-            if k != list_key:
+            if k not in list_keys:
                 f.write(f" {json.dumps(k)}: {json.dumps(v, separators=(',', ':'))},\n")
-        f.write(f" {json.dumps(list_key)}: [\n")
-        items = doc[list_key]
-        for i, item in enumerate(items):
-            sep = "," if i + 1 < len(items) else ""
-            f.write("  " + json.dumps(item, separators=(",", ":")) + sep + "\n")
-        f.write(" ]\n}\n")
+        for n, key in enumerate(list_keys):
+            f.write(f" {json.dumps(key)}: [\n")
+            items = doc[key]
+            for i, item in enumerate(items):
+                sep = "," if i + 1 < len(items) else ""
+                f.write("  " + json.dumps(item, separators=(",", ":")) + sep + "\n")
+            f.write(" ],\n" if n + 1 < len(list_keys) else " ]\n")
+        f.write("}\n")
 
 
 SCENARIOS = {
@@ -741,6 +1352,21 @@ SCENARIOS = {
     "loads": scenario_loads,
     "errors": scenario_errors,
     "misc": scenario_misc,
+    "sessions": scenario_sessions,
+    "constraints": scenario_constraints,
+    "multimodal": scenario_multimodal,
+}
+
+# Extra environment per scenario: busy thresholds are DYN_* settings, not flags.
+SERVICE_ENV = {
+    "sessions": {"DYN_ROUTER_CONDITIONAL_DISAGG_DECODE_BUSY_THRESHOLD": "0.5",
+                 "DYN_ROUTER_CONDITIONAL_DISAGG_PREFILL_BUSY_THRESHOLD": "0.5"},
+}
+
+# Extra service flags per scenario (default: none).
+SERVICE_ARGS = {
+    "sessions": ["--session-affinity-ttl-secs", str(SESSION_TTL_SECS)],
+    "constraints": ["--session-affinity-ttl-secs", "60"],
 }
 
 
@@ -758,24 +1384,29 @@ def main():
     version = subprocess.run(
         [args.dynamo_python, "-c", "import importlib.metadata as m; print(m.version('ai-dynamo-runtime'))"],
         capture_output=True, text=True, check=True).stdout.strip()
+    RUNTIME.update(python=args.dynamo_python, log=args.log)
     for i, (name, fn) in enumerate(SCENARIOS.items()):
         if args.only and name not in args.only:
             continue
         print(f"scenario {name} ...", flush=True)
-        svc = Service(args.dynamo_python, args.port, args.log)
+        extra_args = SERVICE_ARGS.get(name, [])
+        extra_env = SERVICE_ENV.get(name, {})
+        svc = Service(args.dynamo_python, args.port, args.log, extra_args, extra_env)
         rec = Recorder(args.port)
         try:
-            fn(rec, args.port, args.zmq_base_port + 100 * i)
+            extra_lists = fn(rec, args.port, args.zmq_base_port + 100 * i) or {}
         finally:
             svc.stop()
         doc = {
             "dynamo_version": version,
             "scenario": name,
-            "service": f"python -m dynamo.select_service --port {args.port}",
+            "service": " ".join([*(f"{k}={v}" for k, v in extra_env.items()),
+                                 "python -m dynamo.select_service --port", str(args.port), *extra_args]),
+            **extra_lists,
             "exchanges": rec.exchanges,
         }
         path = os.path.join(args.out, f"{name}.json")
-        write_doc(path, doc, "exchanges")
+        write_doc(path, doc, (*extra_lists, "exchanges"))
         print(f"  {len(rec.exchanges)} exchanges -> {path}", flush=True)
 
 

@@ -184,8 +184,16 @@ class FakeEnginePublisher:
             self.peers.clear()
 
 
-def block_stored(block_hashes, parent, token_ids, block_size, medium="GPU"):
-    return ["BlockStored", block_hashes, parent, token_ids, block_size, None, medium]
+def block_stored(block_hashes, parent, token_ids, block_size, medium="GPU", *, lora_name=None,
+                 extra_keys=None, block_mm_infos=None):
+    """Array form. Positions 7-9 (lora_name, extra_keys, block_mm_infos) are appended only when
+    one of them is given: vLLM's `extra_keys` is a per-block list of strings (a 64-hex-digit MM
+    identifier maps to mm_hash = its first 16 hex digits); `block_mm_infos` is Dynamo's own
+    per-block `{"mm_objects": [{"mm_hash", "offsets"}]}` form, read at position 9."""
+    event = ["BlockStored", block_hashes, parent, token_ids, block_size, None, medium]
+    if lora_name is not None or extra_keys is not None or block_mm_infos is not None:
+        event += [lora_name, extra_keys, block_mm_infos]
+    return event
 
 
 def block_removed(block_hashes, medium="GPU"):
