@@ -2,7 +2,8 @@
 //! that kvroute, an engine and Dynamo agree on them.
 
 use clap::Args;
-use kvroute_core::hash::{PromptHashes, seed_for};
+use kvroute_core::hash::{BlockExtras, BlockMmInfo, PromptHashes, seed_for};
+use kvroute_service::http::types::{BlockMmInfoBody, mm_infos_into_core};
 use std::io::Read;
 use std::process::ExitCode;
 
@@ -17,6 +18,20 @@ pub struct HashArgs {
     /// Cache salt that salts the hashes.
     #[arg(long)]
     pub cache_salt: Option<String>,
+    /// Eagle speculative decoding: each block's hash also covers the next token.
+    #[arg(long)]
+    pub eagle: bool,
+    /// Per block, `null` or its multimodal objects, as Dynamo's `block_mm_infos`:
+    /// `[null, {"mm_objects": [{"mm_hash": 42, "offsets": [[0, 8]]}]}]`.
+    #[arg(long, value_name = "JSON")]
+    pub block_mm_infos: Option<String>,
+}
+
+/// Parses `--block-mm-infos`.
+fn parse_mm_infos(json: &str) -> Result<Vec<Option<BlockMmInfo>>, String> {
+    serde_json::from_str::<Vec<Option<BlockMmInfoBody>>>(json)
+        .map(mm_infos_into_core)
+        .map_err(|e| format!("--block-mm-infos: {e}"))
 }
 
 /// Parses the tokens: a JSON array of integers in `0..2^32`.
@@ -45,7 +60,15 @@ pub fn render(tokens: &[u32], args: &HashArgs) -> Result<String, String> {
         return Err("--block-size must be greater than 0".to_string());
     }
     let seed = seed_for(args.lora_name.as_deref(), args.cache_salt.as_deref());
-    let hashes = PromptHashes::from_tokens(tokens, args.block_size as usize, seed);
+    let block_mm_infos = match &args.block_mm_infos {
+        Some(json) => parse_mm_infos(json)?,
+        None => Vec::new(),
+    };
+    let extras = BlockExtras {
+        is_eagle: args.eagle,
+        block_mm_infos: &block_mm_infos,
+    };
+    let hashes = PromptHashes::from_tokens_with(tokens, args.block_size as usize, seed, extras);
     let signed = |v: &[u64]| v.iter().map(|&h| h as i64).collect::<Vec<i64>>();
     let out = serde_json::json!({
         "local_hashes": signed(&hashes.local),

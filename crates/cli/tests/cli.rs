@@ -154,6 +154,67 @@ fn hash_rejects_bad_input_with_one_line_and_exit_code_2() {
     }
 }
 
+/// `kvroute hash` against Dynamo 1.6.1's own hashes: a spread of the fixture cases (every
+/// fourth), each with its LoRA name, salt, Eagle flag and multimodal infos.
+#[test]
+fn hash_equals_dynamo_with_lora_salt_eagle_and_multimodal_infos() {
+    let fixtures: serde_json::Value = serde_json::from_str(include_str!(
+        "../../core/tests/fixtures/dynamo_block_hashes.json"
+    ))
+    .expect("fixtures");
+    let cases = fixtures["cases"].as_array().expect("cases");
+    let mut flags_seen = [false; 2];
+    for case in cases.iter().step_by(4) {
+        let mut args = vec![
+            "hash".to_string(),
+            "--block-size".to_string(),
+            case["block_size"].to_string(),
+        ];
+        for (flag, key) in [("--lora-name", "lora_name"), ("--cache-salt", "cache_salt")] {
+            if let Some(value) = case[key].as_str() {
+                args.push(format!("{flag}={value}"));
+            }
+        }
+        if case["is_eagle"] == true {
+            args.push("--eagle".to_string());
+            flags_seen[0] = true;
+        }
+        if !case["block_mm_infos"].is_null() {
+            args.push("--block-mm-infos".to_string());
+            args.push(case["block_mm_infos"].to_string());
+            flags_seen[1] = true;
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (code, out, err) = kvroute(&args, &case["tokens"].to_string());
+        assert_eq!(code, 0, "{err}");
+        let v: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON line");
+        let expected: Vec<i64> = case["hashes"]
+            .as_array()
+            .expect("hashes")
+            .iter()
+            .map(|h| h.as_u64().expect("u64") as i64)
+            .collect();
+        assert_eq!(v["local_hashes"], serde_json::json!(expected), "{args:?}");
+    }
+    assert_eq!(flags_seen, [true, true]);
+    let (code, _, err) = kvroute(
+        &[
+            "hash",
+            "--block-size",
+            "1",
+            "--block-mm-infos",
+            r#"[{"mm_objects": [{"mm_hash": 5}]}]"#,
+        ],
+        "[1, 2]",
+    );
+    assert_eq!(code, 2);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("--block-mm-infos: missing field `offsets`"),
+        "{err}"
+    );
+}
+
 #[test]
 fn serve_refuses_an_invalid_knob_naming_it() {
     let (code, _, err) = kvroute(&["serve", "--router-temperature=-1", "--port", "0"], "");

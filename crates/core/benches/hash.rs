@@ -7,11 +7,16 @@
 //!   per block, which derives the secret again for each one; the reference in the same run.
 //! - `hash_prompt_8192_tokens_block_64`: local and sequence hashes together
 //!   ([`PromptHashes::from_tokens`]).
+//! - `hash_local_8192_tokens_block_64_eagle_mm_every_4th_block`: [`local_hashes_with`] for an
+//!   Eagle prompt with two multimodal objects in every fourth block (the bytes of such a block
+//!   are copied into a reused buffer; the others hash in place).
 
 use std::hint::black_box;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use kvroute_core::hash::{BASE_SEED, PromptHashes, local_hashes};
+use kvroute_core::hash::{
+    BASE_SEED, BlockExtras, BlockMmInfo, MmObject, PromptHashes, local_hashes, local_hashes_with,
+};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 const TOKENS: usize = 8192;
@@ -44,6 +49,36 @@ fn bench_hash(c: &mut Criterion) {
             ))
         })
     });
+    let infos: Vec<Option<BlockMmInfo>> = (0..TOKENS / BLOCK_SIZE)
+        .map(|i| {
+            (i % 4 == 0).then(|| BlockMmInfo {
+                mm_objects: [i as u64 * 7 + 1, i as u64]
+                    .into_iter()
+                    .map(|mm_hash| MmObject {
+                        mm_hash,
+                        offsets: vec![(0, BLOCK_SIZE as u64)],
+                    })
+                    .collect(),
+            })
+        })
+        .collect();
+    let extras = BlockExtras {
+        is_eagle: true,
+        block_mm_infos: &infos,
+    };
+    group.bench_function(
+        "hash_local_8192_tokens_block_64_eagle_mm_every_4th_block",
+        |b| {
+            b.iter(|| {
+                black_box(local_hashes_with(
+                    black_box(&tokens),
+                    BLOCK_SIZE,
+                    BASE_SEED,
+                    extras,
+                ))
+            })
+        },
+    );
     group.finish();
 }
 

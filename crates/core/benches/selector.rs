@@ -90,6 +90,7 @@ fn bench_select(c: &mut Criterion) {
             tokens: &prompt,
             lora_name: None,
             cache_salt: None,
+            extras: kvroute_core::hash::BlockExtras::default(),
         },
     );
     let mut samples: Vec<f64> = (0..scaled(2000, 20))
@@ -134,6 +135,7 @@ fn bench_select(c: &mut Criterion) {
                         tokens: &short,
                         lora_name: None,
                         cache_salt: None,
+                        extras: kvroute_core::hash::BlockExtras::default(),
                     },
                 )
             };

@@ -6,7 +6,18 @@
 //! - `sequence_hash[0] = local_hash[0]`; `sequence_hash[i] = xxh3_64_with_seed(
 //!   sequence_hash[i-1] LE ‖ local_hash[i] LE, 1337)`: a block together with all blocks before it.
 //!
-//! Hashing is linear in the prompt length; a 131,072-token prompt is 512 KiB of input.
+//! Two request options change what a block's local hash covers ([`BlockExtras`]), as Dynamo's
+//! `compute_block_hash_for_seq` does:
+//! - **Eagle** (`is_eagle`): block `i` hashes the `block_size + 1` tokens from `i * block_size`
+//!   (its own and the next block's first), so a prompt of `n` tokens has `(n - 1) / block_size`
+//!   blocks;
+//! - **multimodal** (`block_mm_infos`): after a block's token bytes come the `mm_hash` of each
+//!   multimodal object in it, sorted ascending, as `u64` LE; their token offsets are not hashed.
+//!   A block without an entry (or past the end of the list) hashes its tokens alone.
+//!
+//! Both are checked against fixtures generated from Dynamo's own function
+//! (`tests/dynamo_hashes.rs`). Hashing is linear in the prompt length; a 131,072-token prompt is
+//! 512 KiB of input.
 
 use xxhash_rust::const_xxh3::const_custom_default_secret;
 use xxhash_rust::xxh3::{xxh3_64_with_secret, xxh3_64_with_seed};
@@ -78,6 +89,75 @@ impl Seeded {
             self.hash(&bytes)
         }
     }
+
+    /// The hash of a block with multimodal objects: its tokens, then the objects' `mm_hash`es
+    /// sorted ascending, all little-endian. `bytes` and `mm_hashes` are scratch space reused
+    /// from block to block.
+    fn block_with_mm(
+        &self,
+        tokens: &[u32],
+        info: &BlockMmInfo,
+        bytes: &mut Vec<u8>,
+        mm_hashes: &mut Vec<u64>,
+    ) -> u64 {
+        mm_hashes.clear();
+        mm_hashes.extend(info.mm_objects.iter().map(|object| object.mm_hash));
+        mm_hashes.sort_unstable();
+        bytes.clear();
+        bytes.reserve(4 * tokens.len() + 8 * mm_hashes.len());
+        for token in tokens {
+            bytes.extend_from_slice(&token.to_le_bytes());
+        }
+        for mm_hash in mm_hashes.iter() {
+            bytes.extend_from_slice(&mm_hash.to_le_bytes());
+        }
+        self.hash(bytes)
+    }
+}
+
+/// One multimodal object (an image, a video, ...) of a block, as Dynamo's `BlockMmObjectInfo`:
+/// its hash and the token ranges it covers. Only `mm_hash` enters the block hash.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct MmObject {
+    pub mm_hash: u64,
+    /// `[start, end)` token ranges; kept for callers, not hashed.
+    pub offsets: Vec<(u64, u64)>,
+}
+
+/// The multimodal objects of one block, as Dynamo's `BlockExtraInfo`. No objects hashes like no
+/// entry at all.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct BlockMmInfo {
+    pub mm_objects: Vec<MmObject>,
+}
+
+/// What enters a prompt's block hashes besides its tokens and seed: Dynamo's `is_eagle` and
+/// `block_mm_infos` (module docs). The default is a plain prompt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BlockExtras<'a> {
+    /// Each block's hash also covers the next token (Eagle speculative decoding).
+    pub is_eagle: bool,
+    /// Per block, its multimodal objects (`None`: none). Entries past the last block are
+    /// ignored; blocks past the last entry have none.
+    pub block_mm_infos: &'a [Option<BlockMmInfo>],
+}
+
+impl BlockExtras<'_> {
+    /// No Eagle window and no multimodal entries: blocks hash their tokens alone.
+    pub fn is_plain(&self) -> bool {
+        !self.is_eagle && self.block_mm_infos.is_empty()
+    }
+}
+
+/// The number of blocks a prompt of `tokens` tokens hashes: `tokens / block_size`, or with
+/// Eagle `(tokens - 1) / block_size` (the last block needs one token after it). 0 for
+/// `block_size == 0`.
+pub fn block_count(tokens: usize, block_size: usize, is_eagle: bool) -> usize {
+    let window = block_size + usize::from(is_eagle);
+    if block_size == 0 || tokens < window {
+        return 0;
+    }
+    (tokens - window) / block_size + 1
 }
 
 /// Hash of one block of tokens with the given seed.
@@ -99,6 +179,37 @@ pub fn local_hashes(tokens: &[u32], block_size: usize, seed: u64) -> Vec<u64> {
         tokens
             .chunks_exact(block_size)
             .map(|block| seeded.block(block))
+            .collect()
+    })
+}
+
+/// Local hashes of a prompt's blocks with Eagle and multimodal options (module docs); equals
+/// [`local_hashes`] for [`BlockExtras::default`], and takes its path (no allocation per block)
+/// whenever the extras are plain. Returns an empty vector for `block_size == 0`.
+pub fn local_hashes_with(
+    tokens: &[u32],
+    block_size: usize,
+    seed: u64,
+    extras: BlockExtras<'_>,
+) -> Vec<u64> {
+    if extras.is_plain() {
+        return local_hashes(tokens, block_size, seed);
+    }
+    let count = block_count(tokens.len(), block_size, extras.is_eagle);
+    let window = block_size + usize::from(extras.is_eagle);
+    Seeded::with(seed, |seeded| {
+        let mut bytes = Vec::new();
+        let mut mm_hashes = Vec::new();
+        (0..count)
+            .map_while(|i| {
+                let block = tokens.get(i * block_size..i * block_size + window)?;
+                Some(match extras.block_mm_infos.get(i) {
+                    Some(Some(info)) if !info.mm_objects.is_empty() => {
+                        seeded.block_with_mm(block, info, &mut bytes, &mut mm_hashes)
+                    }
+                    _ => seeded.block(block),
+                })
+            })
             .collect()
     })
 }
@@ -146,7 +257,17 @@ pub struct PromptHashes {
 impl PromptHashes {
     /// Hashes a token prompt.
     pub fn from_tokens(tokens: &[u32], block_size: usize, seed: u64) -> Self {
-        let local = local_hashes(tokens, block_size, seed);
+        Self::from_tokens_with(tokens, block_size, seed, BlockExtras::default())
+    }
+
+    /// Hashes a token prompt with Eagle and multimodal options ([`local_hashes_with`]).
+    pub fn from_tokens_with(
+        tokens: &[u32],
+        block_size: usize,
+        seed: u64,
+        extras: BlockExtras<'_>,
+    ) -> Self {
+        let local = local_hashes_with(tokens, block_size, seed, extras);
         let sequence = sequence_hashes(&local);
         Self {
             local,
@@ -261,6 +382,134 @@ mod tests {
             block_hash(&tokens, BASE_SEED),
             xxh3_64_with_seed(&bytes, BASE_SEED)
         );
+    }
+
+    fn mm(hashes: &[u64]) -> Option<BlockMmInfo> {
+        Some(BlockMmInfo {
+            mm_objects: hashes
+                .iter()
+                .map(|&mm_hash| MmObject {
+                    mm_hash,
+                    offsets: vec![(0, 1)],
+                })
+                .collect(),
+        })
+    }
+
+    /// The reference model of [`local_hashes_with`]: every block's bytes built from scratch.
+    fn reference(
+        tokens: &[u32],
+        block_size: usize,
+        seed: u64,
+        is_eagle: bool,
+        infos: &[Option<BlockMmInfo>],
+    ) -> Vec<u64> {
+        let window = block_size + usize::from(is_eagle);
+        let mut out = Vec::new();
+        let mut start = 0;
+        while block_size > 0 && start + window <= tokens.len() {
+            let mut bytes: Vec<u8> = tokens[start..start + window]
+                .iter()
+                .flat_map(|t| t.to_le_bytes())
+                .collect();
+            if let Some(Some(info)) = infos.get(out.len()) {
+                let mut hashes: Vec<u64> = info.mm_objects.iter().map(|o| o.mm_hash).collect();
+                hashes.sort();
+                bytes.extend(hashes.iter().flat_map(|h| h.to_le_bytes()));
+            }
+            out.push(xxh3_64_with_seed(&bytes, seed));
+            start += block_size;
+        }
+        out
+    }
+
+    #[test]
+    fn eagle_blocks_cover_the_next_token() {
+        let tokens = tokens_1_to_17();
+        let extras = BlockExtras {
+            is_eagle: true,
+            block_mm_infos: &[],
+        };
+        let local = local_hashes_with(&tokens, 4, BASE_SEED, extras);
+        assert_eq!(local.len(), 4);
+        assert_eq!(local[0], block_hash(&tokens[0..5], BASE_SEED));
+        assert_eq!(local[3], block_hash(&tokens[12..17], BASE_SEED));
+        // Sixteen tokens leave the last block without its next token.
+        assert_eq!(
+            local_hashes_with(&tokens[..16], 4, BASE_SEED, extras).len(),
+            3
+        );
+        assert_eq!(block_count(16, 4, true), 3);
+        assert_eq!(block_count(17, 4, true), 4);
+        assert_eq!(block_count(4, 4, true), 0);
+        assert_eq!(block_count(17, 4, false), 4);
+        assert_eq!(block_count(17, 0, true), 0);
+    }
+
+    #[test]
+    fn multimodal_hashes_follow_the_tokens_sorted_and_offsets_do_not_count() {
+        let tokens = tokens_1_to_17();
+        let infos = [None, mm(&[9, 3, 9]), Some(BlockMmInfo::default())];
+        let extras = BlockExtras {
+            is_eagle: false,
+            block_mm_infos: &infos,
+        };
+        let local = local_hashes_with(&tokens, 4, BASE_SEED, extras);
+        let plain = local_hashes(&tokens, 4, BASE_SEED);
+        assert_eq!(local[0], plain[0]);
+        let mut bytes: Vec<u8> = tokens[4..8].iter().flat_map(|t| t.to_le_bytes()).collect();
+        for h in [3u64, 9, 9] {
+            bytes.extend_from_slice(&h.to_le_bytes());
+        }
+        assert_eq!(local[1], xxh3_64_with_seed(&bytes, BASE_SEED));
+        // No objects, and blocks past the list, hash their tokens alone.
+        assert_eq!(&local[2..], &plain[2..]);
+        // Order and offsets of the objects do not matter.
+        let mut reordered = mm(&[9, 9, 3]);
+        if let Some(info) = reordered.as_mut() {
+            info.mm_objects[0].offsets = vec![(5, 70), (1, 2)];
+        }
+        let infos = [None, reordered];
+        let again = local_hashes_with(
+            &tokens,
+            4,
+            BASE_SEED,
+            BlockExtras {
+                is_eagle: false,
+                block_mm_infos: &infos,
+            },
+        );
+        assert_eq!(again, local);
+        // A plain prompt takes the plain path.
+        assert_eq!(
+            PromptHashes::from_tokens_with(&tokens, 4, BASE_SEED, BlockExtras::default()),
+            PromptHashes::from_tokens(&tokens, 4, BASE_SEED)
+        );
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn local_hashes_with_equals_the_reference_model(
+            tokens in proptest::collection::vec(proptest::prelude::any::<u32>(), 0..80),
+            block_size in 1usize..9,
+            is_eagle in proptest::prelude::any::<bool>(),
+            salted in proptest::prelude::any::<bool>(),
+            infos in proptest::collection::vec(
+                proptest::option::of(proptest::collection::vec(proptest::prelude::any::<u64>(), 0..4)),
+                0..12,
+            ),
+        ) {
+            let infos: Vec<Option<BlockMmInfo>> =
+                infos.iter().map(|i| i.as_deref().and_then(mm)).collect();
+            let seed = if salted { seed_for(Some("lora"), Some("salt")) } else { BASE_SEED };
+            let extras = BlockExtras { is_eagle, block_mm_infos: &infos };
+            let local = local_hashes_with(&tokens, block_size, seed, extras);
+            proptest::prop_assert_eq!(
+                &local,
+                &reference(&tokens, block_size, seed, is_eagle, &infos)
+            );
+            proptest::prop_assert_eq!(local.len(), block_count(tokens.len(), block_size, is_eagle));
+        }
     }
 
     #[test]

@@ -186,6 +186,13 @@ pub fn body_at<T: DeserializeOwned>(
     from_json_at(value.map_err(ConvertError::into_pyerr)?, prefix)
 }
 
+/// Any JSON-like Python value as a typed value, as the HTTP service would read it at field
+/// `what` (which starts every error path).
+pub fn value_at<T: DeserializeOwned>(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<T> {
+    let value = convert(obj, 0).map_err(|e| e.at(Segment::Key(what.to_string())).into_pyerr())?;
+    from_json_at(value, what)
+}
+
 /// A request body with a `token_ids` field (the prompt routes).
 pub trait TokenBody {
     fn set_token_ids(&mut self, tokens: Vec<u32>);

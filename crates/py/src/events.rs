@@ -4,7 +4,9 @@
 //! Event dicts come in two forms, told apart by `"type"`:
 //! - **vLLM form** (tokens; kvroute computes the local hashes, SPEC §3.1): `{"type":
 //!   "BlockStored", "block_hashes": [...], "parent_block_hash": h | None, "token_ids": [...],
-//!   "block_size": n, "medium": "GPU" | ..., "lora_name": s, "cache_salt": s}`, `{"type":
+//!   "block_size": n, "medium": "GPU" | ..., "lora_name": s, "cache_salt": s,
+//!   "block_mm_infos": [...], "is_eagle": b}` (`block_mm_infos` as the HTTP API takes it;
+//!   `is_eagle`: `token_ids` are an Eagle prompt's, each block hashed with the next token), `{"type":
 //!   "BlockRemoved", "block_hashes": [...], "medium": ...}`, `{"type": "AllBlocksCleared"}`.
 //!   These go through `kvroute_wire::convert_event`, so hybrid-model groups, media and block
 //!   counts are checked exactly as for engine messages (dropped events are counted).
@@ -19,7 +21,7 @@
 use crate::convert;
 use kvroute_core::event::{KvEvent, StoredBlock, Tier};
 use kvroute_core::index::ApplyOutcome;
-use kvroute_service::http::types::WireHash;
+use kvroute_service::http::types::{BlockMmInfoBody, WireHash, mm_infos_into_core};
 use kvroute_wire::{ConversionOutcome, RawEvent, RawRemoved, RawStored};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -41,6 +43,10 @@ enum EventDict {
         lora_name: Option<String>,
         #[serde(default)]
         cache_salt: Option<String>,
+        #[serde(default)]
+        block_mm_infos: Option<Vec<Option<BlockMmInfoBody>>>,
+        #[serde(default)]
+        is_eagle: Option<bool>,
         #[serde(default)]
         group_idx: Option<u32>,
         #[serde(default)]
@@ -114,6 +120,8 @@ pub fn from_dicts(events: &[Bound<'_, PyAny>]) -> PyResult<(Vec<KvEvent>, Conver
                 medium,
                 lora_name,
                 cache_salt,
+                block_mm_infos,
+                is_eagle,
                 group_idx,
                 kv_cache_spec_kind,
             } => {
@@ -136,6 +144,8 @@ pub fn from_dicts(events: &[Bound<'_, PyAny>]) -> PyResult<(Vec<KvEvent>, Conver
                     lora_name,
                     group_idx,
                     kv_cache_spec_kind,
+                    is_eagle: is_eagle.unwrap_or(false),
+                    block_mm_infos: block_mm_infos.map(mm_infos_into_core),
                     ..RawStored::default()
                 })
             }

@@ -3,8 +3,9 @@
 use crate::convert::to_py;
 use crate::events;
 use kvroute_core::event::{KvEvent, Rank};
-use kvroute_core::hash::{PromptHashes, seed_for};
+use kvroute_core::hash::{BlockExtras, BlockMmInfo, PromptHashes, seed_for};
 use kvroute_core::index::{DEFAULT_MAX_BLOCKS, IndexConfig, Matches, RadixIndex as CoreIndex};
+use kvroute_service::http::types::{BlockMmInfoBody, mm_infos_into_core};
 use kvroute_wire::Conversion;
 use parking_lot::Mutex;
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -63,6 +64,19 @@ fn token(item: &Bound<'_, PyAny>, field: &str, i: usize) -> PyResult<u32> {
     })
 }
 
+/// Reads Dynamo's `block_mm_infos` (`None`, or per block `None` or `{"mm_objects": [{"mm_hash":
+/// int, "offsets": [[start, end], ...]}]}`), rejecting what the HTTP service rejects.
+fn mm_infos(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<Option<BlockMmInfo>>> {
+    match obj.filter(|o| !o.is_none()) {
+        None => Ok(Vec::new()),
+        Some(obj) => {
+            let infos: Vec<Option<BlockMmInfoBody>> =
+                crate::convert::value_at(obj, "block_mm_infos")?;
+            Ok(mm_infos_into_core(infos))
+        }
+    }
+}
+
 fn matches_json(matches: &Matches) -> Value {
     let mut ranks = matches.ranks.clone();
     ranks.sort_by_key(|r| r.rank);
@@ -88,26 +102,36 @@ fn matches_json(matches: &Matches) -> Value {
 /// Returns ``{"local_hashes": [...], "sequence_hashes": [...]}`` as **signed** 64-bit integers
 /// (the 64 bits reinterpreted, as the HTTP API and Dynamo render them; ``h & (2**64 - 1)`` gives
 /// the unsigned value). ``lora_name`` and ``cache_salt`` salt the hashes as engines do (an empty
-/// string counts as absent). Pass them to ``select`` as ``block_hashes`` /
+/// string counts as absent). ``block_mm_infos`` (per block ``None`` or ``{"mm_objects":
+/// [{"mm_hash": int, "offsets": [[start, end], ...]}]}``) adds each block's multimodal objects
+/// and ``is_eagle=True`` makes each block's hash cover the next token too, as Dynamo's
+/// ``compute_block_hash_for_seq`` does. Pass them to ``select`` as ``block_hashes`` /
 /// ``sequence_hashes`` with ``isl_tokens = len(tokens)``.
 #[pyfunction]
-#[pyo3(signature = (tokens, block_size, lora_name=None, cache_salt=None))]
+#[pyo3(signature = (tokens, block_size, lora_name=None, cache_salt=None, block_mm_infos=None, is_eagle=None))]
 pub fn block_hashes<'py>(
     py: Python<'py>,
     tokens: &Bound<'py, PyAny>,
     block_size: u32,
     lora_name: Option<String>,
     cache_salt: Option<String>,
+    block_mm_infos: Option<&Bound<'py, PyAny>>,
+    is_eagle: Option<bool>,
 ) -> PyResult<Bound<'py, PyAny>> {
     if block_size == 0 {
         return Err(PyValueError::new_err("block_size must be greater than 0"));
     }
     let tokens = token_list(tokens, "tokens")?;
+    let block_mm_infos = mm_infos(block_mm_infos)?;
     let hashes = py.detach(|| {
-        PromptHashes::from_tokens(
+        PromptHashes::from_tokens_with(
             &tokens,
             block_size as usize,
             seed_for(lora_name.as_deref(), cache_salt.as_deref()),
+            BlockExtras {
+                is_eagle: is_eagle.unwrap_or(false),
+                block_mm_infos: &block_mm_infos,
+            },
         )
     });
     let signed = |v: &[u64]| v.iter().map(|&h| h as i64).collect::<Vec<_>>();
@@ -234,9 +258,10 @@ impl RadixIndex {
         to_py(py, &matches)
     }
 
-    /// ``find_matches`` for a token prompt, hashed with ``block_size`` (and the LoRA name and
-    /// cache salt, as engines salt them).
-    #[pyo3(signature = (tokens, block_size, *, lora_name=None, cache_salt=None))]
+    /// ``find_matches`` for a token prompt, hashed with ``block_size`` (and the LoRA name, cache
+    /// salt, multimodal infos and Eagle flag, as ``block_hashes`` takes them).
+    #[pyo3(signature = (tokens, block_size, *, lora_name=None, cache_salt=None, block_mm_infos=None, is_eagle=None))]
+    #[allow(clippy::too_many_arguments)]
     fn find_matches_for_tokens<'py>(
         &self,
         py: Python<'py>,
@@ -244,16 +269,23 @@ impl RadixIndex {
         block_size: u32,
         lora_name: Option<String>,
         cache_salt: Option<String>,
+        block_mm_infos: Option<&Bound<'py, PyAny>>,
+        is_eagle: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
         if block_size == 0 {
             return Err(PyValueError::new_err("block_size must be greater than 0"));
         }
         let tokens = token_list(tokens, "tokens")?;
+        let block_mm_infos = mm_infos(block_mm_infos)?;
         let matches = py.detach(|| {
-            let hashes = PromptHashes::from_tokens(
+            let hashes = PromptHashes::from_tokens_with(
                 &tokens,
                 block_size as usize,
                 seed_for(lora_name.as_deref(), cache_salt.as_deref()),
+                BlockExtras {
+                    is_eagle: is_eagle.unwrap_or(false),
+                    block_mm_infos: &block_mm_infos,
+                },
             );
             matches_json(&self.inner.lock().find_matches(&hashes.sequence))
         });

@@ -99,13 +99,14 @@ fn hash_for_partition(
 ) -> Result<PromptHashes, ApiError> {
     match prompt {
         PromptInput::Hashes(h) => Ok(h),
-        PromptInput::Tokens(tokens) => {
+        PromptInput::Tokens(prompt) => {
             let block_size = state.selector.read().block_size_for(key)?;
             let start = Instant::now();
-            let hashes = PromptHashes::from_tokens(
-                &tokens,
+            let hashes = PromptHashes::from_tokens_with(
+                &prompt.tokens,
                 block_size as usize,
                 seed_for(lora_name, cache_salt),
+                prompt.extras(),
             );
             state
                 .metrics
@@ -207,9 +208,10 @@ pub fn create_reservation(state: &AppState, mut body: ReservationBody) -> ApiRes
     };
     let core_prompt = match &input {
         Some(PromptInput::Tokens(tokens)) => Some(Prompt::Tokens {
-            tokens,
+            tokens: &tokens.tokens,
             lora_name: prompt.lora_name.as_deref(),
             cache_salt: prompt.cache_salt.as_deref(),
+            extras: tokens.extras(),
         }),
         Some(PromptInput::Hashes(h)) => Some(Prompt::Hashes(h)),
         None => None,

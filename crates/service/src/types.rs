@@ -2,7 +2,7 @@
 //! defaults, nesting), plus kvroute's additions (`reservation_id`, `tenant_id` alias).
 
 use kvroute_core::error::{Error, PartitionKey, check_id};
-use kvroute_core::hash::PromptHashes;
+use kvroute_core::hash::{BlockExtras, BlockMmInfo, MmObject, PromptHashes};
 use kvroute_core::schedule::Overrides;
 use kvroute_core::selector::{
     CacheModelReport, OverlapScores, PartitionLoads, PinnedWorker, RankLoadReport, Reservation,
@@ -81,6 +81,95 @@ impl OverrideBody {
     }
 }
 
+/// A token range of a multimodal object: `[start, end]`, exactly two non-negative integers
+/// (rejected with serde's words for a tuple, as Dynamo's `(usize, usize)` is).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OffsetPair(pub usize, pub usize);
+
+impl<'de> Deserialize<'de> for OffsetPair {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = OffsetPair;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a tuple of size 2")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<OffsetPair, A::Error> {
+                use serde::de::Error;
+                let Some(start) = seq.next_element::<usize>()? else {
+                    return Err(A::Error::invalid_length(0, &self));
+                };
+                let Some(end) = seq.next_element::<usize>()? else {
+                    return Err(A::Error::invalid_length(1, &self));
+                };
+                let mut len = 2;
+                while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {
+                    len += 1;
+                }
+                if len > 2 {
+                    return Err(A::Error::invalid_length(len, &"2 elements in sequence"));
+                }
+                Ok(OffsetPair(start, end))
+            }
+        }
+        d.deserialize_seq(V)
+    }
+}
+
+/// One multimodal object of a block, as Dynamo's `BlockMmObjectInfo`: `{"mm_hash": u64,
+/// "offsets": [[start, end], ...]}`. Only `mm_hash` enters the block hash.
+#[derive(Debug, Clone, Deserialize)]
+pub struct MmObjectBody {
+    pub mm_hash: u64,
+    pub offsets: Vec<OffsetPair>,
+}
+
+/// One block's multimodal objects, as Dynamo's `BlockExtraInfo`: `{"mm_objects": [...]}`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct BlockMmInfoBody {
+    pub mm_objects: Vec<MmObjectBody>,
+}
+
+impl BlockMmInfoBody {
+    fn into_core(self) -> BlockMmInfo {
+        BlockMmInfo {
+            mm_objects: self
+                .mm_objects
+                .into_iter()
+                .map(|o| MmObject {
+                    mm_hash: o.mm_hash,
+                    offsets: o
+                        .offsets
+                        .into_iter()
+                        .map(|p| (p.0 as u64, p.1 as u64))
+                        .collect(),
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Per block, `null` or its multimodal objects, as the core hashes them.
+pub fn mm_infos_into_core(infos: Vec<Option<BlockMmInfoBody>>) -> Vec<Option<BlockMmInfo>> {
+    infos
+        .into_iter()
+        .map(|info| info.map(BlockMmInfoBody::into_core))
+        .collect()
+}
+
+/// Dynamo's `mm_routing_info`: the tokens to route on (images expanded to their placeholder
+/// tokens) and their blocks' multimodal objects. When `routing_token_ids` is not empty it
+/// replaces `token_ids` and `block_mm_infos`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct MmRoutingInfoBody {
+    pub routing_token_ids: Vec<u32>,
+    #[serde(default)]
+    pub block_mm_infos: Vec<Option<BlockMmInfoBody>>,
+}
+
 /// The prompt fields every prompt route accepts.
 #[derive(Debug, Clone, Default)]
 pub struct PromptBody {
@@ -90,23 +179,63 @@ pub struct PromptBody {
     pub isl_tokens: Option<u64>,
     pub lora_name: Option<String>,
     pub cache_salt: Option<String>,
+    pub block_mm_infos: Option<Vec<Option<BlockMmInfoBody>>>,
+    pub mm_routing_info: Option<MmRoutingInfoBody>,
+    pub is_eagle: Option<bool>,
+}
+
+/// A token prompt to hash: its tokens and what else enters its block hashes.
+#[derive(Debug, Clone, Default)]
+pub struct TokenPrompt {
+    pub tokens: Vec<u32>,
+    pub block_mm_infos: Vec<Option<BlockMmInfo>>,
+    pub is_eagle: bool,
+}
+
+impl TokenPrompt {
+    /// The Eagle and multimodal options of [`kvroute_core::hash::local_hashes_with`].
+    pub fn extras(&self) -> BlockExtras<'_> {
+        BlockExtras {
+            is_eagle: self.is_eagle,
+            block_mm_infos: &self.block_mm_infos,
+        }
+    }
 }
 
 /// A prompt after validation: token ids to hash, or client-supplied hashes.
 pub enum PromptInput {
-    Tokens(Vec<u32>),
+    Tokens(TokenPrompt),
     Hashes(PromptHashes),
 }
 
 impl PromptBody {
     /// `missing` names the field reported when no prompt is given (`block_hashes` on select
     /// routes, `sequence_hashes` on reservations, where block hashes are optional).
+    ///
+    /// As Dynamo does, `mm_routing_info` with routing tokens wins over `token_ids` and
+    /// `block_mm_infos`; `is_eagle` and the multimodal infos apply to token prompts only.
     pub fn resolve(&mut self, missing: &'static str) -> Result<PromptInput, Error> {
+        let is_eagle = self.is_eagle.unwrap_or(false);
+        if let Some(routing) = self
+            .mm_routing_info
+            .take()
+            .filter(|r| !r.routing_token_ids.is_empty())
+        {
+            return Ok(PromptInput::Tokens(TokenPrompt {
+                tokens: routing.routing_token_ids,
+                block_mm_infos: mm_infos_into_core(routing.block_mm_infos),
+                is_eagle,
+            }));
+        }
         if let Some(tokens) = self.token_ids.take() {
             if tokens.is_empty() {
                 return Err(Error::EmptyTokenIds);
             }
-            return Ok(PromptInput::Tokens(tokens));
+            return Ok(PromptInput::Tokens(TokenPrompt {
+                tokens,
+                block_mm_infos: mm_infos_into_core(self.block_mm_infos.take().unwrap_or_default()),
+                is_eagle,
+            }));
         }
         let sequence = match (&self.block_hashes, &self.sequence_hashes, missing) {
             (None, _, "block_hashes") => {
@@ -173,6 +302,9 @@ macro_rules! prompt_accessors {
                 isl_tokens: self.isl_tokens,
                 lora_name: self.lora_name.clone(),
                 cache_salt: self.cache_salt.clone(),
+                block_mm_infos: self.block_mm_infos.take(),
+                mm_routing_info: self.mm_routing_info.take(),
+                is_eagle: self.is_eagle,
             }
         }
 
@@ -198,6 +330,9 @@ pub struct SelectBody {
     pub isl_tokens: Option<u64>,
     pub lora_name: Option<String>,
     pub cache_salt: Option<String>,
+    pub block_mm_infos: Option<Vec<Option<BlockMmInfoBody>>>,
+    pub mm_routing_info: Option<MmRoutingInfoBody>,
+    pub is_eagle: Option<bool>,
     pub expected_output_tokens: Option<u64>,
     #[serde(default)]
     pub router_config_override: Option<OverrideBody>,
@@ -234,6 +369,9 @@ pub struct ReservationBody {
     pub isl_tokens: Option<u64>,
     pub lora_name: Option<String>,
     pub cache_salt: Option<String>,
+    pub block_mm_infos: Option<Vec<Option<BlockMmInfoBody>>>,
+    pub mm_routing_info: Option<MmRoutingInfoBody>,
+    pub is_eagle: Option<bool>,
     pub effective_prefill_tokens: Option<u64>,
     pub expected_output_tokens: Option<u64>,
     pub track_prefill_tokens: Option<bool>,
@@ -246,7 +384,10 @@ impl ReservationBody {
 
     /// Whether the body carries any prompt field.
     pub fn has_prompt(&self) -> bool {
-        self.token_ids.is_some() || self.sequence_hashes.is_some() || self.block_hashes.is_some()
+        self.token_ids.is_some()
+            || self.mm_routing_info.is_some()
+            || self.sequence_hashes.is_some()
+            || self.block_hashes.is_some()
     }
 }
 
@@ -262,6 +403,9 @@ pub struct PromptRouteBody {
     pub isl_tokens: Option<u64>,
     pub lora_name: Option<String>,
     pub cache_salt: Option<String>,
+    pub block_mm_infos: Option<Vec<Option<BlockMmInfoBody>>>,
+    pub mm_routing_info: Option<MmRoutingInfoBody>,
+    pub is_eagle: Option<bool>,
     #[serde(default)]
     pub router_config_override: Option<OverrideBody>,
 }

@@ -3,8 +3,12 @@
 //! For a `BlockStored`, kvroute recomputes each block's local hash from the event's tokens:
 //! `token_ids` in chunks of the event's `block_size`, seeded with
 //! `seed_for(lora_name, cache_salt)` ([`kvroute_core::hash::seed_for`]), where the salt comes
-//! from block 0's extra keys ([`RawStored::cache_salt`]). The engine's own hashes are kept as
-//! opaque ids for removal and parent lookup.
+//! from block 0's extra keys ([`RawStored::cache_salt`]), exactly as a request with the same
+//! tokens is hashed. As Dynamo does, an Eagle event's blocks (SGLang's bigram `token_ids`,
+//! [`RawStored::is_eagle`]) each also cover the next token, and a block's multimodal objects
+//! ([`RawStored::mm_infos`]: the `block_mm_infos` key, or Dynamo's markers in the extra keys)
+//! enter its hash ([`kvroute_core::hash::local_hashes_with`]). The engine's own hashes are kept
+//! as opaque ids for removal and parent lookup.
 //!
 //! An event is dropped (and counted in [`ConversionOutcome`]) when
 //! - it belongs to a KV cache group that is not full attention: its `kv_cache_spec_kind` is set
@@ -13,7 +17,7 @@
 //! - its `medium` is not one [`Tier::from_medium`] knows (an empty `medium` counts as absent,
 //!   i.e. the device, as Dynamo does);
 //! - a `BlockStored` has `block_size == 0`, or `block_hashes.len() != token_ids.len() /
-//!   block_size`;
+//!   block_size` (`(token_ids.len() - 1) / block_size` for an Eagle event);
 //! - its type is unknown.
 //!
 //! Known gap: vLLM puts the cache salt only in the extra keys of the block starting at token 0,
@@ -22,7 +26,7 @@
 //! the seed per parent engine hash and call [`convert_stored_with_seed`].
 
 use kvroute_core::event::{KvEvent, StoredBlock, Tier};
-use kvroute_core::hash::{block_hash, seed_for};
+use kvroute_core::hash::{BlockExtras, block_count, block_hash, local_hashes_with, seed_for};
 
 use crate::event::{EventBatch, RawEvent, RawRemoved, RawStored};
 
@@ -167,22 +171,45 @@ pub fn convert_stored_with_seed(stored: &RawStored, seed: u64) -> Result<KvEvent
     if block_size == 0 {
         return Err(DropReason::ZeroBlockSize);
     }
-    if stored.block_hashes.len() != stored.token_ids.len() / block_size {
+    if stored.block_hashes.len() != block_count(stored.token_ids.len(), block_size, stored.is_eagle)
+    {
         return Err(DropReason::BlockCountMismatch {
             blocks: stored.block_hashes.len(),
             tokens: stored.token_ids.len(),
             block_size: stored.block_size,
         });
     }
-    let blocks = stored
-        .block_hashes
-        .iter()
-        .zip(stored.token_ids.chunks_exact(block_size))
-        .map(|(&engine_hash, tokens)| StoredBlock {
-            engine_hash,
-            local_hash: block_hash(tokens, seed),
-        })
-        .collect();
+    let mm_infos = stored.mm_infos();
+    let extras = BlockExtras {
+        is_eagle: stored.is_eagle,
+        block_mm_infos: &mm_infos,
+    };
+    let blocks = if extras.is_plain() {
+        stored
+            .block_hashes
+            .iter()
+            .zip(stored.token_ids.chunks_exact(block_size))
+            .map(|(&engine_hash, tokens)| StoredBlock {
+                engine_hash,
+                local_hash: block_hash(tokens, seed),
+            })
+            .collect()
+    } else {
+        stored
+            .block_hashes
+            .iter()
+            .zip(local_hashes_with(
+                &stored.token_ids,
+                block_size,
+                seed,
+                extras,
+            ))
+            .map(|(&engine_hash, local_hash)| StoredBlock {
+                engine_hash,
+                local_hash,
+            })
+            .collect()
+    };
     Ok(KvEvent::Stored {
         parent: stored.parent_block_hash,
         blocks,
@@ -228,7 +255,7 @@ fn tier(medium: Option<&str>) -> Result<Tier, DropReason> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvroute_core::hash::{BASE_SEED, local_hashes};
+    use kvroute_core::hash::{BASE_SEED, BlockMmInfo, MmObject, local_hashes};
 
     fn stored(tokens: Vec<u32>, block_size: u32, hashes: Vec<u64>) -> RawStored {
         RawStored {
@@ -290,6 +317,135 @@ mod tests {
         };
         assert_eq!(blocks[0].local_hash, 914885034549397476);
         assert_eq!(blocks[1].local_hash, 3069815956657004924);
+    }
+
+    fn local_of(event: &RawStored) -> Vec<u64> {
+        match convert_stored(event) {
+            Ok(KvEvent::Stored { blocks, .. }) => blocks.iter().map(|b| b.local_hash).collect(),
+            other => panic!("not stored: {other:?}"),
+        }
+    }
+
+    fn mm(hashes: &[u64]) -> Option<BlockMmInfo> {
+        Some(BlockMmInfo {
+            mm_objects: hashes
+                .iter()
+                .map(|&mm_hash| MmObject {
+                    mm_hash,
+                    offsets: Vec::new(),
+                })
+                .collect(),
+        })
+    }
+
+    #[test]
+    fn eagle_events_hash_each_block_with_the_next_token() {
+        // SGLang's pairs (1,2) .. (8,9), flattened: 1..=9, two blocks of 4 plus one token.
+        let mut event = stored((1..=9).collect(), 4, vec![10, 11]);
+        event.is_eagle = true;
+        let expected = local_hashes_with(
+            &event.token_ids,
+            4,
+            BASE_SEED,
+            BlockExtras {
+                is_eagle: true,
+                block_mm_infos: &[],
+            },
+        );
+        assert_eq!(local_of(&event), expected);
+        assert_eq!(expected[0], block_hash(&[1, 2, 3, 4, 5], BASE_SEED));
+        assert_ne!(expected, local_hashes(&event.token_ids, 4, BASE_SEED));
+        // Eight flattened tokens make only one Eagle block.
+        event.token_ids.pop();
+        assert_eq!(
+            convert_stored(&event),
+            Err(DropReason::BlockCountMismatch {
+                blocks: 2,
+                tokens: 8,
+                block_size: 4
+            })
+        );
+    }
+
+    #[test]
+    fn dynamo_multimodal_markers_in_extra_keys_enter_the_hashes() {
+        use crate::event::{ExtraKey, dynamo_mm_marker};
+        let tokens: Vec<u32> = (1..=12).collect();
+        let native_vllm_hash = "ab".repeat(32);
+        let mut event = stored(tokens.clone(), 4, vec![1, 2, 3]);
+        event.extra_keys = Some(vec![
+            Some(vec![ExtraKey::Str(dynamo_mm_marker(7))]),
+            Some(vec![ExtraKey::Array(vec![
+                ExtraKey::Str(native_vllm_hash.clone()),
+                ExtraKey::UInt(0),
+            ])]),
+            Some(vec![
+                ExtraKey::Array(vec![ExtraKey::Str(dynamo_mm_marker(9)), ExtraKey::Int(-2)]),
+                ExtraKey::Str(dynamo_mm_marker(5)),
+            ]),
+        ]);
+        let infos = [mm(&[7]), None, mm(&[5, 9])];
+        let expected = local_hashes_with(
+            &tokens,
+            4,
+            BASE_SEED,
+            BlockExtras {
+                is_eagle: false,
+                block_mm_infos: &infos,
+            },
+        );
+        assert_eq!(local_of(&event), expected);
+        let plain = local_hashes(&tokens, 4, BASE_SEED);
+        assert_ne!(expected[0], plain[0]);
+        // vLLM's own identifier is not Dynamo's hash: block 1 hashes as plain tokens.
+        assert_eq!(expected[1], plain[1]);
+        // Only vLLM's identifiers: no multimodal hashing at all.
+        event.extra_keys = Some(vec![
+            Some(vec![ExtraKey::Str(native_vllm_hash)]),
+            None,
+            None,
+        ]);
+        assert_eq!(local_of(&event), plain);
+        // A `block_mm_infos` key wins over the extra keys.
+        event.extra_keys = Some(vec![
+            Some(vec![ExtraKey::Str(dynamo_mm_marker(7))]),
+            None,
+            None,
+        ]);
+        event.block_mm_infos = Some(vec![None, None, mm(&[5, 9])]);
+        let infos = [None, None, mm(&[5, 9])];
+        let expected = local_hashes_with(
+            &tokens,
+            4,
+            BASE_SEED,
+            BlockExtras {
+                is_eagle: false,
+                block_mm_infos: &infos,
+            },
+        );
+        assert_eq!(local_of(&event), expected);
+        assert_eq!(expected[0], plain[0]);
+    }
+
+    #[test]
+    fn dynamo_tagged_salts_and_the_cache_salt_key_salt_the_hashes() {
+        use crate::event::ExtraKey;
+        let tokens: Vec<u32> = (1..=8).collect();
+        let salted = local_hashes(&tokens, 4, seed_for(Some("adapter"), Some("tenant-a")));
+        let mut event = stored(tokens, 4, vec![1, 2]);
+        event.lora_name = Some("adapter".into());
+        event.extra_keys = Some(vec![
+            Some(vec![
+                ExtraKey::Str("adapter".into()),
+                ExtraKey::Str("dynamo-cache-salt:tenant-a".into()),
+            ]),
+            Some(vec![ExtraKey::Str("adapter".into())]),
+        ]);
+        assert_eq!(local_of(&event), salted);
+        // The map form's `cache_salt` key comes first.
+        event.cache_salt = Some("tenant-a".into());
+        event.extra_keys = None;
+        assert_eq!(local_of(&event), salted);
     }
 
     #[test]

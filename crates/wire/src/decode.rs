@@ -5,10 +5,18 @@
 //! that append fields still decode. Required fields: `block_hashes`, `token_ids` and
 //! `block_size` of a `BlockStored` (and `parent_block_hash`, which the array form always
 //! carries), `block_hashes` of a `BlockRemoved`; everything else defaults to `None`.
+//!
+//! As Dynamo 1.6.1 does, a `BlockStored`'s `token_ids` may also be SGLang's EAGLE bigram pairs
+//! (`[[t0, t1], [t1, t2], ...]`, flattened into [`RawStored::token_ids`] with `is_eagle` set),
+//! and Dynamo's own publishers may add `block_mm_infos` (`{"mm_objects": [{"mm_hash": u64,
+//! "offsets": [[start, end], ...]}]}` or `nil` per block, either struct also as an array of its
+//! fields in order): the map form as a key (with `cache_salt`), the array form as a list after
+//! `extra_keys` (position 9, where vLLM has the integer `group_idx`).
 
 use crate::error::WireError;
 use crate::event::{EventBatch, ExtraKey, RawEvent, RawRemoved, RawStored};
 use crate::msgpack::Reader;
+use kvroute_core::hash::{BlockMmInfo, MmObject};
 
 /// Decodes one msgpack payload (the third frame of a live message) into a batch.
 ///
@@ -148,6 +156,10 @@ enum Field {
     GroupIdx,
     KvCacheSpecKind,
     KvCacheSpecSlidingWindow,
+    /// Map form only (Dynamo's own publishers).
+    CacheSalt,
+    /// Map form only (Dynamo's own publishers).
+    BlockMmInfos,
 }
 
 /// `BlockStored` fields in vLLM's declaration order (the array form's positions after the tag).
@@ -182,6 +194,8 @@ impl Field {
             "group_idx" => Field::GroupIdx,
             "kv_cache_spec_kind" => Field::KvCacheSpecKind,
             "kv_cache_spec_sliding_window" => Field::KvCacheSpecSlidingWindow,
+            "cache_salt" => Field::CacheSalt,
+            "block_mm_infos" => Field::BlockMmInfos,
             _ => return None,
         })
     }
@@ -194,6 +208,7 @@ struct Fields {
     parent_seen: bool,
     parent_block_hash: Option<u64>,
     token_ids: Option<Vec<u32>>,
+    is_eagle: bool,
     block_size: Option<u32>,
     lora_id: Option<u64>,
     medium: Option<String>,
@@ -202,6 +217,8 @@ struct Fields {
     group_idx: Option<u32>,
     kv_cache_spec_kind: Option<String>,
     kv_cache_spec_sliding_window: Option<u64>,
+    cache_salt: Option<String>,
+    block_mm_infos: Option<Vec<Option<BlockMmInfo>>>,
 }
 
 impl Fields {
@@ -212,7 +229,11 @@ impl Fields {
                 self.parent_seen = true;
                 self.parent_block_hash = r.opt_block_hash("parent_block_hash")?;
             }
-            Field::TokenIds => self.token_ids = Some(r.token_ids("token_ids")?),
+            Field::TokenIds => {
+                let (tokens, is_eagle) = token_ids(r)?;
+                self.token_ids = Some(tokens);
+                self.is_eagle = is_eagle;
+            }
             Field::BlockSize => self.block_size = Some(r.u32_value("block_size")?),
             Field::LoraId => self.lora_id = r.opt_uint("lora_id")?,
             Field::Medium => self.medium = r.opt_str("medium")?.map(str::to_owned),
@@ -225,6 +246,8 @@ impl Fields {
             Field::KvCacheSpecSlidingWindow => {
                 self.kv_cache_spec_sliding_window = r.opt_uint("kv_cache_spec_sliding_window")?;
             }
+            Field::CacheSalt => self.cache_salt = r.opt_str("cache_salt")?.map(str::to_owned),
+            Field::BlockMmInfos => self.block_mm_infos = block_mm_infos(r)?,
         }
         Ok(())
     }
@@ -252,6 +275,9 @@ impl Fields {
                 group_idx: self.group_idx,
                 kv_cache_spec_kind: self.kv_cache_spec_kind,
                 kv_cache_spec_sliding_window: self.kv_cache_spec_sliding_window,
+                is_eagle: self.is_eagle,
+                cache_salt: self.cache_salt,
+                block_mm_infos: self.block_mm_infos,
             }),
             Tag::Removed => RawEvent::Removed(RawRemoved {
                 block_hashes: self.block_hashes.ok_or(WireError::MissingField {
@@ -264,6 +290,147 @@ impl Fields {
             Tag::Cleared => RawEvent::Cleared,
             Tag::Unknown(tag) => RawEvent::Unknown { tag },
         })
+    }
+}
+
+/// `token_ids`: a list of ids, or SGLang's EAGLE bigram pairs `[[t0, t1], [t1, t2], ...]`,
+/// flattened as Dynamo does (each pair's first id, then the last pair's second) with `true`.
+/// An empty list is plain.
+fn token_ids(r: &mut Reader<'_>) -> Result<(Vec<u32>, bool), WireError> {
+    let mut probe = r.clone();
+    let pairs = probe.array_len("token_ids")?;
+    if pairs == 0 || probe.peek_container()? != Some(true) {
+        return Ok((r.token_ids("token_ids")?, false));
+    }
+    let pairs = r.array_len("token_ids")?;
+    let mut out = Vec::with_capacity(r.capacity(pairs) + 1);
+    let mut last = 0;
+    for _ in 0..pairs {
+        if r.array_len("token_ids")? != 2 {
+            return Err(WireError::InvalidValue {
+                field: "token_ids",
+                value: "a bigram that is not 2 ids".to_string(),
+                reason: "EAGLE token ids are [token, next token] pairs",
+            });
+        }
+        out.push(r.u32_value("token_ids")?);
+        last = r.u32_value("token_ids")?;
+    }
+    out.push(last);
+    Ok((out, true))
+}
+
+/// `block_mm_infos`: `nil`, or one `nil` or `BlockExtraInfo` per block.
+fn block_mm_infos(r: &mut Reader<'_>) -> Result<Option<Vec<Option<BlockMmInfo>>>, WireError> {
+    if r.nil()? {
+        return Ok(None);
+    }
+    let blocks = r.array_len("block_mm_infos")?;
+    let mut out = Vec::with_capacity(r.capacity(blocks));
+    for _ in 0..blocks {
+        if r.nil()? {
+            out.push(None);
+            continue;
+        }
+        let mm_objects = struct_fields(r, "block_mm_infos", &["mm_objects"], |r, _| {
+            let objects = r.array_len("mm_objects")?;
+            let mut out = Vec::with_capacity(r.capacity(objects));
+            for _ in 0..objects {
+                out.push(mm_object(r)?);
+            }
+            Ok(out)
+        })?;
+        let [Some(mm_objects)] = mm_objects else {
+            return Err(WireError::MissingField {
+                context: "block_mm_infos",
+                field: "mm_objects",
+            });
+        };
+        out.push(Some(BlockMmInfo { mm_objects }));
+    }
+    Ok(Some(out))
+}
+
+/// Reads one struct written as a map (by name, unknown keys skipped) or as an array (by
+/// position, extra elements skipped), calling `read(r, index)` for each of `names`' fields.
+/// Every field is required.
+fn struct_fields<T, const N: usize>(
+    r: &mut Reader<'_>,
+    context: &'static str,
+    names: &[&'static str; N],
+    mut read: impl FnMut(&mut Reader<'_>, usize) -> Result<T, WireError>,
+) -> Result<[Option<T>; N], WireError> {
+    let mut values: [Option<T>; N] = std::array::from_fn(|_| None);
+    match r.peek_container()? {
+        Some(true) => {
+            let len = r.array_len(context)?;
+            for position in 0..len {
+                match values.get_mut(position) {
+                    Some(slot) => *slot = Some(read(r, position)?),
+                    None => r.skip(4)?,
+                }
+            }
+        }
+        Some(false) => {
+            let len = r.map_len(context)?;
+            for _ in 0..len {
+                let key = r.str(context)?;
+                match names.iter().position(|&name| name == key) {
+                    Some(index) => values[index] = Some(read(r, index)?),
+                    None => r.skip(4)?,
+                }
+            }
+        }
+        None => {
+            return Err(WireError::UnexpectedType {
+                field: context,
+                expected: "map or array",
+                found: crate::msgpack::marker_name(r.peek()?),
+                offset: r.offset(),
+            });
+        }
+    }
+    if let Some(missing) = values.iter().position(Option::is_none) {
+        return Err(WireError::MissingField {
+            context,
+            field: names[missing],
+        });
+    }
+    Ok(values)
+}
+
+/// One `BlockMmObjectInfo`: `{"mm_hash": u64, "offsets": [[start, end], ...]}`.
+fn mm_object(r: &mut Reader<'_>) -> Result<MmObject, WireError> {
+    enum Part {
+        Hash(u64),
+        Offsets(Vec<(u64, u64)>),
+    }
+    let parts = struct_fields(r, "mm_objects", &["mm_hash", "offsets"], |r, index| {
+        if index == 0 {
+            return Ok(Part::Hash(r.uint("mm_hash")?));
+        }
+        let pairs = r.array_len("offsets")?;
+        let mut out = Vec::with_capacity(r.capacity(pairs));
+        for _ in 0..pairs {
+            if r.array_len("offsets")? != 2 {
+                return Err(WireError::InvalidValue {
+                    field: "offsets",
+                    value: "an offset that is not 2 numbers".to_string(),
+                    reason: "offsets are [start, end] pairs",
+                });
+            }
+            out.push((r.uint("offsets")?, r.uint("offsets")?));
+        }
+        Ok(Part::Offsets(out))
+    })?;
+    match parts {
+        [Some(Part::Hash(mm_hash)), Some(Part::Offsets(offsets))] => {
+            Ok(MmObject { mm_hash, offsets })
+        }
+        _ => Err(WireError::MissingField {
+            context: "mm_objects",
+            field: "mm_hash",
+        }),
     }
 }
 
@@ -307,6 +474,12 @@ fn array_event(r: &mut Reader<'_>) -> Result<RawEvent, WireError> {
     };
     let mut fields = Fields::default();
     for position in 1..len {
+        // Dynamo's own publishers append `block_mm_infos` after `extra_keys` (position 9, where
+        // vLLM has `group_idx`); a list there or later is that, as Dynamo 1.6.1 reads it.
+        if tag == Tag::Stored && position > 8 && r.peek_container()? == Some(true) {
+            fields.read(r, Field::BlockMmInfos)?;
+            continue;
+        }
         match layout.get(position - 1) {
             Some(&field) => fields.read(r, field)?,
             None => r.skip(4)?,

@@ -8,10 +8,14 @@
 //!   included), defaulted ones (`extra_keys`, `group_idx`, `kv_cache_spec_kind`,
 //!   `kv_cache_spec_sliding_window`, the batch's `data_parallel_rank`) only when set.
 //!
-//! Keys and elements come in vLLM's declaration order.
+//! Keys and elements come in vLLM's declaration order. An Eagle event
+//! ([`RawStored::is_eagle`]) writes its `token_ids` as SGLang does, as `[token, next token]`
+//! pairs; `cache_salt` and `block_mm_infos` have no place in vLLM's array layout and are
+//! written by the map form only, after vLLM's keys.
 
 use crate::event::{EventBatch, RawEvent, RawRemoved, RawStored};
 use crate::msgpack::Writer;
+use kvroute_core::hash::BlockMmInfo;
 
 /// The layout of structs on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -191,6 +195,7 @@ fn stored_field(
             None => w.nil(),
         },
         2 => match tokens {
+            _ if s.is_eagle => eagle_pairs(w, &s.token_ids),
             Some(run) => {
                 w.array_len(run.count);
                 w.raw(run.bytes);
@@ -221,6 +226,42 @@ fn stored_field(
         8 => opt_uint(w, s.group_idx.map(u64::from)),
         9 => opt_str(w, s.kv_cache_spec_kind.as_deref()),
         _ => opt_uint(w, s.kv_cache_spec_sliding_window),
+    }
+}
+
+/// SGLang's EAGLE `token_ids`: each id paired with the next (`len - 1` pairs).
+fn eagle_pairs(w: &mut Writer<'_>, tokens: &[u32]) {
+    w.array_len(tokens.len().saturating_sub(1));
+    for pair in tokens.windows(2) {
+        w.array_len(2);
+        w.uint(u64::from(pair[0]));
+        w.uint(u64::from(pair[1]));
+    }
+}
+
+/// `block_mm_infos` as Dynamo's publishers write it: maps, `nil` for a block without any.
+fn mm_infos(w: &mut Writer<'_>, infos: &[Option<BlockMmInfo>]) {
+    w.array_len(infos.len());
+    for info in infos {
+        let Some(info) = info else {
+            w.nil();
+            continue;
+        };
+        w.map_len(1);
+        w.str("mm_objects");
+        w.array_len(info.mm_objects.len());
+        for object in &info.mm_objects {
+            w.map_len(2);
+            w.str("mm_hash");
+            w.uint(object.mm_hash);
+            w.str("offsets");
+            w.array_len(object.offsets.len());
+            for &(start, end) in &object.offsets {
+                w.array_len(2);
+                w.uint(start);
+                w.uint(end);
+            }
+        }
     }
 }
 
@@ -263,7 +304,9 @@ fn stored_event(
                 s.kv_cache_spec_sliding_window.is_some(),
             ];
             let defaulted_present = present.iter().filter(|&&p| p).count();
-            w.map_len(1 + STORED_REQUIRED + defaulted_present);
+            let map_only =
+                usize::from(s.cache_salt.is_some()) + usize::from(s.block_mm_infos.is_some());
+            w.map_len(1 + STORED_REQUIRED + defaulted_present + map_only);
             w.str("type");
             w.str("BlockStored");
             for (index, name) in STORED_NAMES.iter().enumerate() {
@@ -272,6 +315,14 @@ fn stored_event(
                 }
                 w.str(name);
                 stored_field(w, s, index, options.hashes, tokens);
+            }
+            if let Some(salt) = &s.cache_salt {
+                w.str("cache_salt");
+                w.str(salt);
+            }
+            if let Some(infos) = &s.block_mm_infos {
+                w.str("block_mm_infos");
+                mm_infos(w, infos);
             }
         }
     }

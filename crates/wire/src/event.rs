@@ -3,6 +3,9 @@
 //! These are *raw* values: exactly what the engine said, before kvroute's own hashing and
 //! filtering ([`crate::convert`]) turns them into [`kvroute_core::event::KvEvent`]s.
 
+use kvroute_core::hash::{BlockMmInfo, MmObject};
+use std::borrow::Cow;
+
 /// A decoded `KVEventBatch`: `[ts, events, data_parallel_rank]` or `{ts, events,
 /// data_parallel_rank}`.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -37,7 +40,8 @@ pub struct RawStored {
     pub block_hashes: Vec<u64>,
     /// The engine id of the block the new ones follow, or `None` at the start of a prompt.
     pub parent_block_hash: Option<u64>,
-    /// The tokens of the new blocks: `block_hashes.len() * block_size` of them.
+    /// The tokens of the new blocks: `block_hashes.len() * block_size` of them (one more with
+    /// `is_eagle`).
     pub token_ids: Vec<u32>,
     /// Tokens per block.
     pub block_size: u32,
@@ -56,6 +60,15 @@ pub struct RawStored {
     pub kv_cache_spec_kind: Option<String>,
     /// The sliding window of a sliding-window group, in tokens.
     pub kv_cache_spec_sliding_window: Option<u64>,
+    /// SGLang's EAGLE layout: `token_ids` came as `[token, next token]` bigram pairs, kept here
+    /// flattened as Dynamo does (each pair's first token, then the last pair's second), so
+    /// each block's local hash covers its `block_size` tokens and the next one.
+    pub is_eagle: bool,
+    /// A top-level `cache_salt` key (map form only; Dynamo reads it before `extra_keys`).
+    pub cache_salt: Option<String>,
+    /// A top-level `block_mm_infos` key (map form only): per block, its multimodal objects.
+    /// Dynamo reads it before the multimodal markers of `extra_keys`.
+    pub block_mm_infos: Option<Vec<Option<BlockMmInfo>>>,
 }
 
 /// `BlockRemoved`: blocks that left the given medium.
@@ -90,8 +103,10 @@ pub enum ExtraKey {
 }
 
 impl RawStored {
-    /// The cache salt of the request, when this event starts a prompt and vLLM put one in the
-    /// first block's extra keys.
+    /// The cache salt the blocks are hashed with.
+    ///
+    /// In Dynamo 1.6.1's order: the top-level `cache_salt` key when present, else, when this
+    /// event starts a prompt, the salt in block 0's extra keys.
     ///
     /// vLLM (`vllm/v1/core/kv_cache_utils.py`, `generate_block_hash_extra_keys`) builds each
     /// block's extra keys as `lora_extra_keys + mm_extra_keys + cache_salt_keys +
@@ -102,31 +117,116 @@ impl RawStored {
     /// - `cache_salt_keys` is `[cache_salt]` **only for the block starting at token 0**,
     /// - `prompt_embeds_keys` are bytes.
     ///
-    /// So the salt is read from block 0's tuple, and only when `parent_block_hash` is `None`
-    /// (block 0 of a continuation event is not token 0 of the prompt): it is the last str item,
-    /// not counting item 0 when it equals `lora_name`, and not counting bare 64-hex-digit
-    /// strings when the tuple has no array item (the older multimodal layout). A salt that is
-    /// itself 64 hex digits is therefore missed on engines using that older layout.
+    /// Dynamo's vLLM workers hand vLLM the salt as `"dynamo-cache-salt:" + salt`, and Dynamo
+    /// reads only that form: the first str item of block 0 with the prefix (not counting item 0
+    /// when it equals `lora_name`) gives the salt after the prefix. kvroute does the same, and
+    /// for engines run without Dynamo (whose salt is the bare string) falls back to the last
+    /// str item that is not the LoRA name (item 0), not a Dynamo multimodal marker
+    /// ([`dynamo_mm_hash`]) and, when the tuple has no array item (the older multimodal layout),
+    /// not a bare 64-hex-digit hash. A bare salt that is itself 64 hex digits is therefore
+    /// missed on engines using that older layout.
     ///
     /// vLLM does not repeat the salt on later blocks, so an event that continues a salted
     /// prompt (`parent_block_hash` set) carries no salt; see [`crate::convert`].
     pub fn cache_salt(&self) -> Option<&str> {
+        if let Some(salt) = &self.cache_salt {
+            return Some(salt);
+        }
         if self.parent_block_hash.is_some() {
             return None;
         }
         let keys = self.extra_keys.as_ref()?.first()?.as_ref()?;
+        let lora_name = self.lora_name.as_deref();
+        let strings = || {
+            keys.iter()
+                .enumerate()
+                .filter_map(|(i, key)| match key {
+                    ExtraKey::Str(s) => Some((i, s.as_str())),
+                    _ => None,
+                })
+                .filter(move |&(i, s)| !(i == 0 && lora_name == Some(s)))
+        };
+        let tagged = strings()
+            .filter_map(|(_, s)| s.strip_prefix(DYNAMO_CACHE_SALT_PREFIX))
+            .find(|salt| !salt.is_empty());
+        if tagged.is_some() {
+            return tagged;
+        }
         let old_multimodal_layout = !keys.iter().any(|k| matches!(k, ExtraKey::Array(_)));
-        keys.iter()
-            .enumerate()
-            .filter_map(|(i, key)| match key {
-                ExtraKey::Str(s) => Some((i, s.as_str())),
-                _ => None,
-            })
-            .filter(|&(i, s)| !(i == 0 && self.lora_name.as_deref() == Some(s)))
+        strings()
+            .filter(|&(_, s)| dynamo_mm_hash(s).is_none())
             .filter(|&(_, s)| !(old_multimodal_layout && is_multimodal_hash(s)))
             .map(|(_, s)| s)
             .next_back()
     }
+
+    /// The blocks' multimodal objects for hashing: the `block_mm_infos` key when present, else
+    /// the Dynamo multimodal markers of each block's extra keys ([`dynamo_mm_hash`], as a bare
+    /// str item or as the identifier of an `(identifier, offset)` tuple), with no offsets.
+    /// Empty when no block has any. vLLM's own multimodal identifiers are not Dynamo's hashes
+    /// and are ignored, as Dynamo 1.6.1 does.
+    pub fn mm_infos(&self) -> Cow<'_, [Option<BlockMmInfo>]> {
+        if let Some(infos) = &self.block_mm_infos {
+            return Cow::Borrowed(infos);
+        }
+        let Some(blocks) = &self.extra_keys else {
+            return Cow::Borrowed(&[]);
+        };
+        let marker = |key: &ExtraKey| match key {
+            ExtraKey::Str(s) => dynamo_mm_hash(s),
+            ExtraKey::Array(items) => match items.as_slice() {
+                [ExtraKey::Str(s), ExtraKey::Int(_) | ExtraKey::UInt(_)] => dynamo_mm_hash(s),
+                _ => None,
+            },
+            _ => None,
+        };
+        if !blocks
+            .iter()
+            .flatten()
+            .flatten()
+            .any(|key| marker(key).is_some())
+        {
+            return Cow::Borrowed(&[]);
+        }
+        Cow::Owned(
+            blocks
+                .iter()
+                .map(|keys| {
+                    let mm_objects: Vec<MmObject> = keys
+                        .iter()
+                        .flatten()
+                        .filter_map(marker)
+                        .map(|mm_hash| MmObject {
+                            mm_hash,
+                            offsets: Vec::new(),
+                        })
+                        .collect();
+                    (!mm_objects.is_empty()).then_some(BlockMmInfo { mm_objects })
+                })
+                .collect(),
+        )
+    }
+}
+
+/// The prefix Dynamo's vLLM workers put before a request's cache salt in vLLM's extra keys.
+pub const DYNAMO_CACHE_SALT_PREFIX: &str = "dynamo-cache-salt:";
+
+/// The multimodal hash in Dynamo's extra-key marker: 64 characters, the hash as 16 hex digits
+/// followed by 48 `'0'`s (what Dynamo's workers hand vLLM as a multimodal identifier).
+pub fn dynamo_mm_hash(s: &str) -> Option<u64> {
+    let bytes = s.as_bytes();
+    if bytes.len() != 64
+        || !bytes[..16].iter().all(u8::is_ascii_hexdigit)
+        || !bytes[16..].iter().all(|&b| b == b'0')
+    {
+        return None;
+    }
+    u64::from_str_radix(&s[..16], 16).ok()
+}
+
+/// The marker [`dynamo_mm_hash`] reads: `mm_hash` as 16 lowercase hex digits and 48 `'0'`s.
+pub fn dynamo_mm_marker(mm_hash: u64) -> String {
+    format!("{mm_hash:016x}{}", "0".repeat(48))
 }
 
 /// A bare vLLM multimodal hash: 64 hex digits.
@@ -220,6 +320,80 @@ mod tests {
             stored(vec![ExtraKey::UInt(1), s("salt")], None).cache_salt(),
             Some("salt")
         );
+    }
+
+    #[test]
+    fn dynamo_tagged_salts_come_first_and_markers_are_never_salts() {
+        assert_eq!(
+            stored(vec![s("dynamo-cache-salt:tenant-a")], None).cache_salt(),
+            Some("tenant-a")
+        );
+        assert_eq!(
+            stored(vec![s("dynamo-cache-salt:t"), s("bare")], None).cache_salt(),
+            Some("t")
+        );
+        // Item 0 is the LoRA name even when it looks like a tagged salt.
+        assert_eq!(
+            stored(
+                vec![s("dynamo-cache-salt:a"), s("dynamo-cache-salt:b")],
+                Some("dynamo-cache-salt:a")
+            )
+            .cache_salt(),
+            Some("b")
+        );
+        let marker = dynamo_mm_marker(7);
+        assert_eq!(stored(vec![s(&marker)], None).cache_salt(), None);
+        let tuple = ExtraKey::Array(vec![s("image-0"), ExtraKey::UInt(0)]);
+        assert_eq!(stored(vec![tuple, s(&marker)], None).cache_salt(), None);
+        // The map form's key wins, even on a continuation event.
+        let mut event = stored(vec![s("dynamo-cache-salt:t")], None);
+        event.cache_salt = Some("top".into());
+        event.parent_block_hash = Some(1);
+        assert_eq!(event.cache_salt(), Some("top"));
+    }
+
+    #[test]
+    fn dynamo_markers_carry_a_u64_in_16_hex_digits_and_48_zeros() {
+        assert_eq!(dynamo_mm_marker(0x0123_4567_89ab_cdef).len(), 64);
+        assert_eq!(
+            dynamo_mm_hash(&dynamo_mm_marker(0x0123_4567_89ab_cdef)),
+            Some(0x0123_4567_89ab_cdef)
+        );
+        assert_eq!(dynamo_mm_hash(&dynamo_mm_marker(u64::MAX)), Some(u64::MAX));
+        assert_eq!(
+            dynamo_mm_hash(&format!("0123456789ABCDEF{}", "0".repeat(48))),
+            Some(0x0123_4567_89ab_cdef)
+        );
+        // vLLM's own 64-hex-digit hashes are not markers.
+        assert_eq!(
+            dynamo_mm_hash("0123456789abcdef00112233445566778899aabbccddeefffedcba9876543210"),
+            None
+        );
+        assert_eq!(dynamo_mm_hash("123"), None);
+        assert_eq!(
+            dynamo_mm_hash(&format!("+123456789abcdef{}", "0".repeat(48))),
+            None
+        );
+        let event = RawStored {
+            extra_keys: Some(vec![
+                None,
+                Some(vec![
+                    s("lora"),
+                    ExtraKey::Array(vec![s(&dynamo_mm_marker(4)), ExtraKey::Int(-1)]),
+                    s(&dynamo_mm_marker(2)),
+                ]),
+            ]),
+            ..RawStored::default()
+        };
+        let infos = event.mm_infos();
+        assert_eq!(infos.len(), 2);
+        assert_eq!(infos[0], None);
+        let hashes: Vec<u64> = infos[1]
+            .iter()
+            .flat_map(|i| i.mm_objects.iter().map(|o| o.mm_hash))
+            .collect();
+        assert_eq!(hashes, [4, 2]);
+        assert!(RawStored::default().mm_infos().is_empty());
     }
 
     #[test]

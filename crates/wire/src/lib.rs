@@ -55,7 +55,11 @@
 //!   the last 8 bytes big-endian, which is what this crate takes from a bin hash, so both forms
 //!   of one block give the same id.
 //! - `extra_keys` holds one tuple (or `None`) per block: LoRA name, multimodal keys, the cache
-//!   salt (block 0 of a prompt only), prompt-embedding digests; see [`RawStored::cache_salt`].
+//!   salt (block 0 of a prompt only), prompt-embedding digests; see [`RawStored::cache_salt`]
+//!   and, for the multimodal hashes Dynamo's workers put there, [`RawStored::mm_infos`].
+//! - SGLang with EAGLE speculative decoding sends `token_ids` as `[token, next token]` pairs;
+//!   Dynamo's own publishers may add `cache_salt` and `block_mm_infos` keys to a map event
+//!   (see `decode`).
 //! - msgspec ignores `omit_defaults` for array-like structs (msgspec issue #720), so array
 //!   events carry every field of their release, `nil` included; map events omit defaulted
 //!   fields that are `None`.
@@ -68,7 +72,8 @@
 //!   hashes, missing trailing fields, unknown trailing fields and keys, unknown event types)
 //!   and strict where a value is wrong (a negative token id, a string where a list belongs).
 //! - [`decode_batch`] of [`encode_batch`] is the identity on every [`EventBatch`] whose floats
-//!   are not NaN.
+//!   are not NaN, whose Eagle events have at least two tokens and, for the array form, whose
+//!   events have no `cache_salt` or `block_mm_infos` (which only the map form carries).
 //!
 //! ## Cost
 //! One pass over the payload; a 32-event batch of 16 blocks × 64 tokens (~110 KB) decodes in a
@@ -97,5 +102,8 @@ pub use encode::{
     encode_batch_into, encode_batch_packed,
 };
 pub use error::WireError;
-pub use event::{EventBatch, ExtraKey, RawEvent, RawRemoved, RawStored, vllm_extra_keys};
+pub use event::{
+    DYNAMO_CACHE_SALT_PREFIX, EventBatch, ExtraKey, RawEvent, RawRemoved, RawStored,
+    dynamo_mm_hash, dynamo_mm_marker, vllm_extra_keys,
+};
 pub use msgpack::MAX_DEPTH;

@@ -32,7 +32,9 @@ impl Int {
     }
 }
 
-/// Reads msgpack values from a borrowed buffer.
+/// Reads msgpack values from a borrowed buffer (a clone reads ahead without moving the
+/// original).
+#[derive(Clone)]
 pub(crate) struct Reader<'a> {
     buf: &'a [u8],
     pos: usize,

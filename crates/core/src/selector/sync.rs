@@ -370,6 +370,7 @@ mod tests {
             tokens: &tokens,
             lora_name: None,
             cache_salt: None,
+            extras: crate::hash::BlockExtras::default(),
         });
         s.create_reservation(&req, now).unwrap();
         assert_eq!(load_of(&s, 1).active_requests, 2);

@@ -73,6 +73,7 @@ fn tokens_prompt(t: &[u32]) -> Prompt<'_> {
         tokens: t,
         lora_name: None,
         cache_salt: None,
+        extras: crate::hash::BlockExtras::default(),
     }
 }
 

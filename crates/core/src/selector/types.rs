@@ -4,7 +4,7 @@
 use crate::approx::LruStats;
 use crate::error::{Error, PartitionKey};
 use crate::event::{KvEvent, Rank, WorkerId};
-use crate::hash::{PromptHashes, seed_for};
+use crate::hash::{BlockExtras, PromptHashes, seed_for};
 use crate::schedule::Overrides;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -103,6 +103,8 @@ pub enum Prompt<'a> {
         tokens: &'a [u32],
         lora_name: Option<&'a str>,
         cache_salt: Option<&'a str>,
+        /// Eagle and multimodal hashing (`BlockExtras::default()` for a plain prompt).
+        extras: BlockExtras<'a>,
     },
     /// Already hashed (by the client, or by the edge before taking the lock).
     Hashes(&'a PromptHashes),
@@ -118,14 +120,16 @@ impl Prompt<'_> {
                 tokens,
                 lora_name,
                 cache_salt,
+                extras,
             } => {
                 if tokens.is_empty() {
                     return Err(Error::EmptyTokenIds);
                 }
-                Ok(std::borrow::Cow::Owned(PromptHashes::from_tokens(
+                Ok(std::borrow::Cow::Owned(PromptHashes::from_tokens_with(
                     tokens,
                     block_size as usize,
                     seed_for(lora_name, cache_salt),
+                    extras,
                 )))
             }
             Prompt::Hashes(h) => {

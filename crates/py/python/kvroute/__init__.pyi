@@ -130,8 +130,11 @@ def block_hashes(
     block_size: int,
     lora_name: Optional[str] = None,
     cache_salt: Optional[str] = None,
+    block_mm_infos: Optional[Sequence[Optional[JsonDict]]] = None,
+    is_eagle: Optional[bool] = None,
 ) -> Dict[Literal["local_hashes", "sequence_hashes"], List[int]]:
-    """Local and sequence hashes of each full block, as signed 64-bit ints."""
+    """Local and sequence hashes of each full block, as signed 64-bit ints (Dynamo's hashing,
+    with its per-block multimodal infos and Eagle window)."""
 
 class RadixIndex:
     """The radix index on its own: which (worker, dp rank) holds which prefix, on which tier."""
@@ -153,6 +156,8 @@ class RadixIndex:
         *,
         lora_name: Optional[str] = None,
         cache_salt: Optional[str] = None,
+        block_mm_infos: Optional[Sequence[Optional[JsonDict]]] = None,
+        is_eagle: Optional[bool] = None,
     ) -> List[Dict[str, int]]: ...
     def remove_worker(self, worker_id: int) -> int: ...
     def remove_rank(self, worker_id: int, dp_rank: int = 0) -> int: ...

@@ -193,6 +193,11 @@ pub fn document() -> Value {
         "isl_tokens": {"type": "integer", "minimum": 1},
         "lora_name": {"type": "string"},
         "cache_salt": {"type": "string"},
+        "block_mm_infos": {"type": "array", "items": schema("BlockMmInfo"), "description": "Per block of token_ids, null or its multimodal objects; their mm_hash values enter the block's hash"},
+        "mm_routing_info": {"type": "object", "required": ["routing_token_ids"], "description": "When routing_token_ids is not empty, the prompt is routed on these tokens and infos instead of token_ids and block_mm_infos", "properties": {
+            "routing_token_ids": u32s,
+            "block_mm_infos": {"type": "array", "items": schema("BlockMmInfo"), "default": []}}},
+        "is_eagle": {"type": "boolean", "default": false, "description": "Eagle speculative decoding: each block's hash also covers the next token. Default false (Dynamo defaults to the partition's workers' is_eagle, which kvroute does not read)"},
         "router_config_override": {"$ref": "#/components/schemas/RouterConfigOverride"}
     });
     let mut select = prompt.clone();
@@ -271,6 +276,12 @@ pub fn document() -> Value {
                     "overlap_score_credit": {"type": "number"}, "prefill_load_scale": {"type": "number"},
                     "router_temperature": {"type": "number"}, "track_prefill_tokens": {"type": "boolean"}}},
                 "Prompt": {"type": "object", "properties": prompt},
+                "BlockMmInfo": {"type": "object", "nullable": true, "required": ["mm_objects"], "properties": {
+                    "mm_objects": {"type": "array", "items": schema("MmObject")}}},
+                "MmObject": {"type": "object", "required": ["mm_hash", "offsets"], "properties": {
+                    "mm_hash": {"type": "integer", "minimum": 0, "maximum": u64::MAX},
+                    "offsets": {"type": "array", "description": "[start, end] token ranges; not hashed",
+                                "items": {"type": "array", "minItems": 2, "maxItems": 2, "items": {"type": "integer", "minimum": 0}}}}},
                 "Select": {"type": "object", "properties": select},
                 "Reservation": {"type": "object", "properties": reservation},
                 "OutputBlock": {"type": "object", "properties": {"decay_fraction": {"type": "number", "minimum": 0, "maximum": 1}}},

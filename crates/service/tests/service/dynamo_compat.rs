@@ -257,3 +257,300 @@ async fn kvroute_answers_dynamo_clients_like_dynamo() {
         report.join("\n")
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// Multimodal and Eagle (`multimodal.json`), with the capture's engine events
+
+/// A `BlockStored` batch laid out as the capture's publisher (`bench/dynamo/fake_engine.py`)
+/// wrote it: vLLM's array form up to `medium`, then `lora_name`, `extra_keys` and Dynamo's own
+/// `block_mm_infos` (position 9) when any of them is given.
+fn capture_batch(
+    hashes: &[u64],
+    tokens: &[u32],
+    extra_keys: Option<rmpv::Value>,
+    block_mm_infos: Option<rmpv::Value>,
+) -> Vec<u8> {
+    use rmpv::Value as M;
+    let mut event = vec![
+        M::from("BlockStored"),
+        M::Array(hashes.iter().map(|&h| M::from(h)).collect()),
+        M::Nil,
+        M::Array(tokens.iter().map(|&t| M::from(t)).collect()),
+        M::from(4),
+        M::Nil,
+        M::from("GPU"),
+    ];
+    if extra_keys.is_some() || block_mm_infos.is_some() {
+        event.push(M::Nil);
+        event.push(extra_keys.unwrap_or(M::Nil));
+        event.push(block_mm_infos.unwrap_or(M::Nil));
+    }
+    let batch = M::Array(vec![
+        M::from(1.0),
+        M::Array(vec![M::Array(event)]),
+        M::from(0),
+    ]);
+    let mut out = Vec::new();
+    rmpv::encode::write_value(&mut out, &batch).expect("msgpack");
+    out
+}
+
+/// `(worker_id, local hash)` of every block in a `/dump` answer. (A block several workers store
+/// is one node in Dynamo's tree, dumped with the engine hash of the first to store it: engine
+/// hashes are not comparable.)
+fn dumped_blocks(dump: &Value, partition: &str) -> std::collections::BTreeSet<(u64, u64)> {
+    let as_u64 = |v: &Value| v.as_u64().or_else(|| v.as_i64().map(|h| h as u64));
+    let mut out = std::collections::BTreeSet::new();
+    for event in dump[partition]["events"].as_array().into_iter().flatten() {
+        let worker = event["worker_id"].as_u64().expect("worker_id");
+        for block in event["event"]["data"]["stored"]["blocks"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            out.insert((worker, as_u64(&block["tokens_hash"]).expect("tokens_hash")));
+        }
+    }
+    out
+}
+
+/// Device, host and disk blocks per worker of an `/overlap_scores` answer.
+fn overlap_by_worker(scores: &Value) -> std::collections::BTreeMap<u64, Value> {
+    scores["workers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|w| {
+            (
+                w["worker_id"].as_u64().expect("worker_id"),
+                serde_json::json!([
+                    w["device_blocks"],
+                    w["host_pinned_blocks"],
+                    w["disk_blocks"]
+                ]),
+            )
+        })
+        .collect()
+}
+
+/// Worker 1's fourth block (local hash 135165725823939817, after its image block), which
+/// Dynamo 1.6.1 lost: its `/dump` and overlaps show worker 1 with only the three blocks it
+/// shares with worker 2, who stored them first. A quirk of Dynamo's tree, not of hashing; every
+/// answer it touches is checked with that block taken off kvroute's side.
+const LOST_BY_DYNAMO: (u64, u64) = (1, 135_165_725_823_939_817);
+
+/// Exchanges of `multimodal.json` where kvroute differs from Dynamo 1.6.1 on purpose.
+const MULTIMODAL_DEVIATIONS: &[(&str, &str)] = &[
+    (
+        "overlap_eagle_partition_default",
+        "kvroute does not read a worker's `is_eagle`: requests default to is_eagle false",
+    ),
+    (
+        "select_eagle_partition_default",
+        "kvroute does not read a worker's `is_eagle`: requests default to is_eagle false",
+    ),
+    (
+        "bad_worker_is_eagle_string",
+        "kvroute does not read a worker's `is_eagle` (ignored like other unknown worker fields)",
+    ),
+];
+
+/// Dynamo's multimodal scenario, replayed with the same engine events (published in the
+/// capture's own layouts: `block_mm_infos` at array position 9, Dynamo's markers and
+/// `dynamo-cache-salt:` in `extra_keys`, a native vLLM id that must be ignored): the same local
+/// hashes in `/dump`, the same overlap per worker for every prompt form, the same select
+/// overlaps and booked sequence hashes, and the same 422s (kvroute's texts add the field path).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multimodal_exchanges_replay_with_the_recorded_events() {
+    use kvroute_testkit::fake_engine::FakeEngine;
+    use kvroute_wire::Encoding;
+    use rmpv::Value as M;
+    use serde_json::json;
+    use std::time::Duration;
+
+    let text = std::fs::read_to_string(fixtures().join("multimodal.json")).expect("fixture");
+    let doc: Value = serde_json::from_str(&text).expect("fixture json");
+    let config = ServeConfig::parse_from(["kvroute", "--router-profile", "dynamo"])
+        .expect("the dynamo profile");
+    let app = TestApp::with_config(config);
+    let tokens: Vec<u32> = (1..=17).collect();
+    let (mm_x, salt_key) = (0xDEAD_BEEFu64, "dynamo-cache-salt:salt-1");
+    let marked_x = format!("{mm_x:016x}{}", "0".repeat(48));
+    let native_x = format!("{mm_x:016x}{}", "ab".repeat(24));
+    let info_x = M::Array(vec![M::Map(vec![(
+        M::from("mm_objects"),
+        M::Array(vec![M::Map(vec![
+            (M::from("mm_hash"), M::from(mm_x)),
+            (
+                M::from("offsets"),
+                M::Array(vec![M::Array(vec![M::from(0), M::from(3)])]),
+            ),
+        ])]),
+    )])]);
+    let mut x_then_nils = info_x.as_array().expect("list").clone();
+    x_then_nils.extend([M::Nil, M::Nil, M::Nil]);
+    let keys = |first: M, blocks: usize| {
+        let mut list = vec![M::Array(vec![first])];
+        list.extend(std::iter::repeat_n(M::Nil, blocks - 1));
+        M::Array(list)
+    };
+    // The events of workers 1..=7, as the capture published them.
+    let events: Vec<Vec<u8>> = vec![
+        capture_batch(
+            &[1001, 1002, 1003, 1004],
+            &tokens[..16],
+            None,
+            Some(M::Array(x_then_nils)),
+        ),
+        capture_batch(
+            &[2001, 2002, 2003],
+            &tokens[..12],
+            Some(keys(M::from(marked_x.clone()), 3)),
+            None,
+        ),
+        capture_batch(
+            &[3001, 3002, 3003, 3004],
+            &tokens[..16],
+            Some(keys(M::from(native_x), 4)),
+            None,
+        ),
+        capture_batch(
+            &[4001, 4002],
+            &tokens[..8],
+            Some(keys(M::Array(vec![M::from(marked_x), M::from(0)]), 2)),
+            None,
+        ),
+        capture_batch(&[5001], &tokens[..4], None, None),
+        capture_batch(
+            &[6001, 6002, 6003, 6004],
+            &tokens[..16],
+            Some(keys(M::from(salt_key), 4)),
+            None,
+        ),
+        capture_batch(&[7001, 7002, 7003, 7004], &tokens, None, None),
+    ];
+    let mut engines: Vec<FakeEngine> = Vec::new();
+    let mut report = Vec::new();
+    let mut compared = 0;
+    let mut deviations_seen = 0;
+    for ex in doc["exchanges"].as_array().expect("exchanges") {
+        let name = ex["name"].as_str().expect("name");
+        let path = ex["path"].as_str().expect("path");
+        let mut request = ex["request"].clone();
+        if request["kv_events_endpoint"].is_string() {
+            let engine = FakeEngine::bind("tcp://127.0.0.1:0", None, Encoding::Array)
+                .await
+                .expect("fake engine");
+            request["kv_events_endpoint"] = json!(engine.pub_endpoint());
+            engines.push(engine);
+        }
+        // Publish each worker's events once its listener is up, until the index holds them.
+        let (partition, workers, blocks) = match name {
+            "dump" => ("default:default", 0..6, 18),
+            "dump_eagle_partition" => ("m-eagle:default", 6..7, 4),
+            _ => ("", 0..0, 0),
+        };
+        if blocks > 0 {
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            loop {
+                for i in workers.clone() {
+                    engines[i]
+                        .publish_payload(events[i].clone())
+                        .await
+                        .expect("publish");
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                let dump = app.get("/dump").await.body;
+                if dumped_blocks(&dump, partition).len() == blocks {
+                    break;
+                }
+                assert!(std::time::Instant::now() < deadline, "events never indexed");
+            }
+        }
+        let method =
+            Method::from_bytes(ex["method"].as_str().expect("method").as_bytes()).expect("method");
+        let body = (!request.is_null()).then_some(request);
+        let reply = app.call(method, path, body).await;
+        let want = ex["status"].as_u64().expect("status") as u16;
+        let theirs = &ex["response"];
+        let problem = if reply.status.as_u16() != want {
+            Some(format!(
+                "status {} (Dynamo {want}): {}",
+                reply.status, reply.text
+            ))
+        } else if path == "/dump" {
+            let mut problem = None;
+            for partition in ["default:default", "m-eagle:default"] {
+                let mut ours = dumped_blocks(&reply.body, partition);
+                ours.remove(&LOST_BY_DYNAMO);
+                let dynamos = dumped_blocks(theirs, partition);
+                if ours != dynamos {
+                    problem = Some(format!("{partition}: blocks {ours:?}, Dynamo {dynamos:?}"));
+                }
+            }
+            problem
+        } else if path == "/overlap_scores" {
+            let (mut ours, dynamos) = (overlap_by_worker(&reply.body), overlap_by_worker(theirs));
+            // Worker 1 holding the whole image prompt: Dynamo lost the fourth block.
+            if ours.get(&LOST_BY_DYNAMO.0) == Some(&json!([4, 4, 4])) {
+                ours.insert(LOST_BY_DYNAMO.0, json!([3, 3, 3]));
+            }
+            (ours != dynamos).then(|| format!("overlap {ours:?}, Dynamo {dynamos:?}"))
+        } else if path == "/select" && want == 200 {
+            // Ties are broken at random: the overlap is what must agree (worker 1's whole image
+            // prompt is one block more than Dynamo kept).
+            let gpu = |v: &Value| v["overlap"]["gpu"].as_u64().unwrap_or(u64::MAX);
+            let lost =
+                usize::from(reply.body["worker_id"] == LOST_BY_DYNAMO.0 && gpu(&reply.body) == 16);
+            (gpu(&reply.body) - 4 * lost as u64 != gpu(theirs)).then(|| {
+                format!(
+                    "overlap {}, Dynamo {}",
+                    reply.body["overlap"], theirs["overlap"]
+                )
+            })
+        } else if path == "/select_and_reserve" {
+            (reply.body["sequence_hashes"] != theirs["sequence_hashes"]
+                || reply.body["isl_tokens"] != theirs["isl_tokens"])
+                .then(|| format!("{}, Dynamo {theirs}", reply.text))
+        } else if want >= 400 {
+            // Dynamo's words, less the position (and the name of its struct); kvroute's text
+            // adds the field path before them.
+            let core = theirs["error"]
+                .as_str()
+                .unwrap_or("")
+                .trim_start_matches("Failed to deserialize the JSON body into the target type: ")
+                .split(" at line ")
+                .next()
+                .unwrap_or("")
+                .split(" expected struct ")
+                .next()
+                .unwrap_or("")
+                .to_string();
+            let ours = reply.body["error"].as_str().unwrap_or("");
+            (!ours.contains(&core)).then(|| format!("message {ours:?} lacks Dynamo's {core:?}"))
+        } else {
+            None
+        };
+        compared += 1;
+        if let Some(problem) = problem {
+            if MULTIMODAL_DEVIATIONS.iter().any(|(n, _)| *n == name) {
+                deviations_seen += 1;
+            } else {
+                report.push(format!("{name}: {problem}"));
+            }
+        }
+        if name == "loads_after_bookings" {
+            // The capture freed its bookings here, unrecorded.
+            for id in ["mx-1", "mx-2"] {
+                app.delete(&format!("/reservations/{id}")).await;
+            }
+        }
+    }
+    assert!(compared >= 60, "{compared} exchanges");
+    assert!(
+        report.is_empty(),
+        "differences from Dynamo's multimodal exchanges:\n{}",
+        report.join("\n")
+    );
+    assert_eq!(deviations_seen, MULTIMODAL_DEVIATIONS.len());
+}

@@ -875,3 +875,161 @@ async fn metrics_count_the_chosen_and_best_overlap_of_every_selection() {
         assert!(metrics.contains(&line), "{line} in\n{metrics}");
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Multimodal and Eagle prompts
+
+/// The block hashes generated from Dynamo 1.6.1's own `compute_block_hash_for_seq`.
+fn dynamo_hash_fixtures() -> Value {
+    serde_json::from_str(include_str!(
+        "../../../core/tests/fixtures/dynamo_block_hashes.json"
+    ))
+    .unwrap()
+}
+
+/// Every fixture case of block size 4 through `/select_and_reserve`, as `token_ids` and as
+/// `mm_routing_info`: the sequence hashes chain Dynamo's local hashes.
+#[tokio::test]
+async fn token_prompts_hash_as_dynamo_with_lora_salt_eagle_and_multimodal_infos() {
+    let app = with_workers(&[1]).await;
+    let fixtures = dynamo_hash_fixtures();
+    let mut checked = 0;
+    for case in fixtures["cases"].as_array().unwrap() {
+        if case["block_size"] != 4 || case["tokens"].as_array().unwrap().is_empty() {
+            continue;
+        }
+        let local: Vec<u64> = case["hashes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|h| h.as_u64().unwrap())
+            .collect();
+        let expected: Vec<i64> = kvroute_core::hash::sequence_hashes(&local)
+            .into_iter()
+            .map(|h| h as i64)
+            .collect();
+        let mut body = json!({
+            "token_ids": case["tokens"],
+            "lora_name": case["lora_name"],
+            "cache_salt": case["cache_salt"],
+            "is_eagle": case["is_eagle"],
+            "block_mm_infos": case["block_mm_infos"],
+        });
+        let r = app.post("/select_and_reserve", body.clone()).await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+        assert_eq!(r.body["sequence_hashes"], json!(expected), "{case}");
+        assert_eq!(
+            r.body["isl_tokens"],
+            json!(case["tokens"].as_array().unwrap().len())
+        );
+        // The same prompt as Dynamo's routing info wins over other token ids.
+        body["mm_routing_info"] = json!({
+            "routing_token_ids": case["tokens"],
+            "block_mm_infos": if case["block_mm_infos"].is_null() { json!([]) } else { case["block_mm_infos"].clone() },
+        });
+        body["token_ids"] = json!([7, 7, 7, 7, 7, 7, 7, 7, 7]);
+        body["block_mm_infos"] = json!(null);
+        let r = app.post("/select_and_reserve", body).await;
+        assert_eq!(r.body["sequence_hashes"], json!(expected), "{}", r.text);
+        checked += 1;
+    }
+    assert!(checked >= 40, "{checked} cases");
+    // Routing info without tokens leaves the prompt to token_ids.
+    let r = app
+        .post(
+            "/select_and_reserve",
+            json!({"token_ids": tokens(8), "mm_routing_info": {"routing_token_ids": []}}),
+        )
+        .await;
+    let plain = PromptHashes::from_tokens(&tokens(8), 4, BASE_SEED);
+    assert_eq!(
+        r.body["sequence_hashes"],
+        json!(kvroute_service::http::types::signed(&plain.sequence))
+    );
+}
+
+/// The multimodal infos Dynamo rejects are rejected, naming the field: 422 like every other
+/// type error of a body.
+#[tokio::test]
+async fn malformed_multimodal_infos_are_rejected_naming_the_field() {
+    let app = with_workers(&[1]).await;
+    let fixtures = dynamo_hash_fixtures();
+    let mut checked = 0;
+    for case in fixtures["rejected"].as_array().unwrap() {
+        if case["block_size"] == 0 {
+            continue; // The block size is the worker's here.
+        }
+        let body = json!({
+            "token_ids": case["tokens"],
+            "block_mm_infos": case["block_mm_infos"],
+        });
+        for route in [
+            "/select",
+            "/select_and_reserve",
+            "/overlap_scores",
+            "/potential_loads",
+        ] {
+            let r = app.post(route, body.clone()).await;
+            assert_eq!(
+                r.status.as_u16(),
+                422,
+                "{route} {}: {}",
+                case["what"],
+                r.text
+            );
+            let field = if case["block_mm_infos"].is_null() {
+                "token_ids"
+            } else {
+                "block_mm_infos[0]"
+            };
+            assert!(error_of(&r).contains(field), "{}: {}", case["what"], r.text);
+            // Dynamo's own words where both use serde's.
+            let dynamo = case["error"].as_str().unwrap();
+            if let Some(missing) = dynamo.strip_prefix("Exception: ")
+                && missing.starts_with("missing field")
+            {
+                assert!(error_of(&r).contains(missing), "{}", r.text);
+            }
+        }
+        checked += 1;
+    }
+    assert_eq!(checked, 10);
+    for (body, needle) in [
+        (
+            json!({"token_ids": [1], "mm_routing_info": {"block_mm_infos": []}}),
+            "mm_routing_info: missing field `routing_token_ids`",
+        ),
+        (
+            json!({"mm_routing_info": {"routing_token_ids": [1], "block_mm_infos": [{"mm_objects": [{"mm_hash": 1, "offsets": [[1]]}]}]}}),
+            "mm_routing_info.block_mm_infos[0].mm_objects[0].offsets[0]: invalid length 1, expected a tuple of size 2",
+        ),
+        (
+            json!({"token_ids": [1], "is_eagle": "yes"}),
+            "is_eagle: invalid type",
+        ),
+        (
+            json!({"token_ids": [1], "block_mm_infos": {}}),
+            "block_mm_infos: invalid type",
+        ),
+    ] {
+        let r = app.post("/select", body.clone()).await;
+        assert_eq!(r.status.as_u16(), 422, "{body}: {}", r.text);
+        assert!(
+            error_of(&r).contains(needle),
+            "{needle:?} not in {}",
+            r.text
+        );
+    }
+    let r = app
+        .post(
+            "/reservations",
+            json!({"worker_id": 1, "block_mm_infos": [{}], "token_ids": [1]}),
+        )
+        .await;
+    assert_eq!(r.status.as_u16(), 422, "{}", r.text);
+    assert!(
+        error_of(&r).contains("missing field `mm_objects`"),
+        "{}",
+        r.text
+    );
+}

@@ -51,6 +51,7 @@ fn held(
             tokens: prompt,
             lora_name: None,
             cache_salt: None,
+            extras: kvroute_core::hash::BlockExtras::default(),
         },
     ) else {
         return (0, 0, 0);
@@ -988,4 +989,121 @@ async fn a_booking_is_predicted_until_the_engines_events_confirm_it() {
         [4, 3, 0],
         "{metrics}"
     );
+}
+
+/// Device blocks of worker 1 for a prompt body, through `POST /overlap_scores`.
+async fn overlap_blocks(app: &TestApp, mut body: Value) -> u64 {
+    body["model_name"] = json!(MODEL);
+    let reply = app.post("/overlap_scores", body).await;
+    assert_eq!(reply.status, 200, "{}", reply.text);
+    reply.body["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["worker_id"] == 1)
+        .map_or(0, |w| w["device_blocks"].as_u64().unwrap())
+}
+
+fn image(mm_hash: u64) -> Value {
+    json!({"mm_objects": [{"mm_hash": mm_hash, "offsets": [[2, 7]]}]})
+}
+
+/// A vLLM engine under Dynamo marks an image in its blocks' extra keys: a request for the same
+/// tokens finds that cache only with the same image (the same `mm_hash`), in either form of
+/// the request, and a text-only request or another image does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multimodal_prompts_match_only_the_cache_of_their_own_images() {
+    use kvroute_wire::{ExtraKey, dynamo_mm_marker};
+    const IMAGE: u64 = 0x1234_5678_9abc_def0;
+    const OTHER_IMAGE: u64 = 0x0fed_cba9_8765_4321;
+    let app = TestApp::new();
+    let state = Arc::clone(&app.state);
+    for (encoding, first) in [(Encoding::Array, 1), (Encoding::Map, 500)] {
+        let mut engine = engine(false, encoding).await;
+        register(&app, worker(1, &engine)).await;
+        warm_up(&mut engine, &state, 1, 0).await;
+        // Three blocks; the image's placeholder tokens span blocks 0 and 1 (offsets 2..7).
+        let prompt = tokens(first, 3);
+        let marker = || Some(vec![ExtraKey::Str(dynamo_mm_marker(IMAGE))]);
+        engine
+            .publish_events(vec![RawEvent::Stored(RawStored {
+                block_hashes: vec![first as u64 + 11, first as u64 + 12, first as u64 + 13],
+                token_ids: prompt.clone(),
+                block_size: BLOCK,
+                medium: Some("GPU".into()),
+                extra_keys: Some(vec![marker(), marker(), None]),
+                ..RawStored::default()
+            })])
+            .await
+            .unwrap();
+        let same = json!({
+            "model_name": MODEL,
+            "token_ids": prompt,
+            "block_mm_infos": [image(IMAGE), image(IMAGE), null],
+        });
+        let deadline = Instant::now() + WAIT;
+        while overlap_blocks(&app, same.clone()).await != 3 {
+            assert!(
+                Instant::now() < deadline,
+                "the image prompt was never stored"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // As Dynamo's routing info, whatever `token_ids` says.
+        let routed = json!({
+            "token_ids": [1],
+            "mm_routing_info": {"routing_token_ids": prompt, "block_mm_infos": [image(IMAGE), image(IMAGE)]},
+        });
+        assert_eq!(overlap_blocks(&app, routed).await, 3);
+        // Another image, or none, over the same tokens: no cache.
+        let other = json!({
+            "model_name": MODEL,
+            "token_ids": prompt,
+            "block_mm_infos": [image(OTHER_IMAGE), image(OTHER_IMAGE), null],
+        });
+        assert_eq!(overlap_blocks(&app, other.clone()).await, 0);
+        assert_eq!(overlap_blocks(&app, json!({"token_ids": prompt})).await, 0);
+        // The selector routes the image prompt to the rank that holds it.
+        let reply = app.post("/select", same).await;
+        assert_eq!(reply.body["overlap"]["gpu"], 3 * BLOCK, "{}", reply.text);
+        let reply = app.post("/select", other).await;
+        assert_eq!(reply.body["overlap"]["gpu"], 0, "{}", reply.text);
+        let endpoint = engine.pub_endpoint().to_string();
+        assert_eq!(messages(&state.metrics, 1, &endpoint, "malformed"), 0);
+        assert_eq!(app.delete("/workers/1").await.status, 200);
+    }
+}
+
+/// SGLang with EAGLE publishes bigram token pairs: its blocks match an Eagle request for the
+/// same tokens, not a plain one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_eagle_events_match_eagle_requests() {
+    let app = TestApp::new();
+    let state = Arc::clone(&app.state);
+    let mut engine = engine(false, Encoding::Map).await;
+    register(&app, worker(1, &engine)).await;
+    warm_up(&mut engine, &state, 1, 0).await;
+    // Two Eagle blocks need two blocks of tokens and the next one.
+    let prompt: Vec<u32> = (1..=2 * BLOCK + 1).collect();
+    engine
+        .publish_events(vec![RawEvent::Stored(RawStored {
+            block_hashes: vec![21, 22],
+            token_ids: prompt.clone(),
+            block_size: BLOCK,
+            medium: Some("GPU".into()),
+            is_eagle: true,
+            ..RawStored::default()
+        })])
+        .await
+        .unwrap();
+    let eagle = json!({"token_ids": prompt, "is_eagle": true});
+    let deadline = Instant::now() + WAIT;
+    while overlap_blocks(&app, eagle.clone()).await != 2 {
+        assert!(
+            Instant::now() < deadline,
+            "the Eagle prompt was never stored"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(overlap_blocks(&app, json!({"token_ids": prompt})).await, 0);
 }

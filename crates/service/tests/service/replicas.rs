@@ -383,6 +383,7 @@ fn device_blocks(state: &AppState, worker_id: u64, prompt: &[u32]) -> u32 {
                 tokens: prompt,
                 lora_name: None,
                 cache_salt: None,
+                extras: kvroute_core::hash::BlockExtras::default(),
             },
         )
         .ok()

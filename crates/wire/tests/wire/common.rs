@@ -1,6 +1,7 @@
 //! Shared helpers: strategies for arbitrary batches and JSON views of decoded values.
 
 use kvroute_core::event::{KvEvent, Tier};
+use kvroute_core::hash::{BlockMmInfo, MmObject};
 use kvroute_wire::{EventBatch, ExtraKey, RawEvent, RawRemoved, RawStored};
 use proptest::prelude::*;
 use serde_json::{Value, json};
@@ -125,6 +126,30 @@ fn hashes() -> impl Strategy<Value = Vec<u64>> {
     )
 }
 
+fn mm_info() -> impl Strategy<Value = BlockMmInfo> {
+    proptest::collection::vec(
+        (
+            any::<u64>(),
+            proptest::collection::vec((any::<u64>(), any::<u64>()), 0..3),
+        )
+            .prop_map(|(mm_hash, offsets)| MmObject { mm_hash, offsets }),
+        0..3,
+    )
+    .prop_map(|mm_objects| BlockMmInfo { mm_objects })
+}
+
+/// What the array form carries of a batch: no `cache_salt` or `block_mm_infos` (map only).
+pub fn array_form(batch: &EventBatch) -> EventBatch {
+    let mut batch = batch.clone();
+    for event in &mut batch.events {
+        if let RawEvent::Stored(stored) = event {
+            stored.cache_salt = None;
+            stored.block_mm_infos = None;
+        }
+    }
+    batch
+}
+
 pub fn raw_stored() -> impl Strategy<Value = RawStored> {
     (
         (
@@ -146,12 +171,25 @@ pub fn raw_stored() -> impl Strategy<Value = RawStored> {
             ]),
             proptest::option::of(any::<u64>()),
         ),
+        (
+            any::<bool>(),
+            proptest::option::of(short_string()),
+            proptest::option::of(proptest::collection::vec(
+                proptest::option::of(mm_info()),
+                0..4,
+            )),
+        ),
     )
         .prop_map(
             |(
                 (block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium),
                 (lora_name, extra_keys, group_idx, kv_cache_spec_kind, window),
+                (is_eagle, cache_salt, block_mm_infos),
             )| RawStored {
+                // An Eagle event's pairs need two tokens to say anything.
+                is_eagle: is_eagle && token_ids.len() >= 2,
+                cache_salt,
+                block_mm_infos,
                 block_hashes,
                 parent_block_hash,
                 token_ids,

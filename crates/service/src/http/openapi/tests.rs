@@ -44,6 +44,24 @@ struct Recorder<'a> {
 /// A map or sequence with no entries.
 struct Empty;
 
+/// A sequence of one element, recorded further at the sequence's own path (an array is
+/// transparent in field paths).
+struct OneElement<'a>(Option<Recorder<'a>>);
+
+impl<'de> de::SeqAccess<'de> for OneElement<'_> {
+    type Error = DeError;
+
+    fn next_element_seed<T: de::DeserializeSeed<'de>>(
+        &mut self,
+        seed: T,
+    ) -> Result<Option<T::Value>, DeError> {
+        match self.0.take() {
+            Some(element) => seed.deserialize(element).map(Some),
+            None => Ok(None),
+        }
+    }
+}
+
 impl<'de> MapAccess<'de> for Empty {
     type Error = DeError;
 
@@ -172,7 +190,7 @@ impl<'de> Deserializer<'de> for Recorder<'_> {
     }
 
     fn deserialize_seq<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, DeError> {
-        visitor.visit_seq(Empty)
+        visitor.visit_seq(OneElement(Some(self)))
     }
 
     fn deserialize_map<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, DeError> {
@@ -256,7 +274,13 @@ fn the_recorder_finds_nested_structs_and_aliases() {
     assert!(fields.contains(&"tenant_id") && fields.contains(&"routing_group"));
     assert_eq!(structs[&vec!["pinned_worker"]].0, "PinnedBody");
     assert_eq!(structs[&vec!["router_config_override"]].0, "OverrideBody");
-    assert_eq!(structs.len(), 3);
+    // Through arrays: the structs of their elements, at the array field's path.
+    assert_eq!(structs[&vec!["block_mm_infos"]].0, "BlockMmInfoBody");
+    assert_eq!(
+        structs[&vec!["mm_routing_info", "block_mm_infos", "mm_objects"]].0,
+        "MmObjectBody"
+    );
+    assert_eq!(structs.len(), 8);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -444,6 +468,10 @@ fn route_and_request_problems(doc: &Value) -> Vec<String> {
             let mut s = resolve(doc, schema);
             for step in at {
                 s = resolve(doc, &s["properties"][*step]);
+                // An array field's structs are its elements'.
+                while s["type"] == "array" {
+                    s = resolve(doc, &s["items"]);
+                }
             }
             for field in *fields {
                 if s["properties"][*field].is_null() {
