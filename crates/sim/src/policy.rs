@@ -24,7 +24,8 @@ use kvroute_core::event::KvEvent;
 use kvroute_core::hash::PromptHashes;
 use kvroute_core::schedule::{RouterProfile, SchedulerConfig};
 use kvroute_core::selector::{
-    LifecycleCalls, PredictConfig, Prompt, SelectRequest, Selector, SelectorConfig, WorkerSpec,
+    BookingOwner, LifecycleCalls, PredictConfig, Prompt, SelectRequest, Selector, SelectorConfig,
+    SyncedBooking, WorkerSpec,
 };
 use rand::Rng;
 use rand::rngs::SmallRng;
@@ -129,7 +130,7 @@ pub fn catalog(kvroute: SelectorPolicy) -> Vec<Policy> {
         kind: PolicyKind::Selector(SelectorPolicy {
             kv_events: false,
             approximate_policy,
-            ..dynamo_policy()
+            ..kvroute
         }),
         unavailable: None,
     };
@@ -228,6 +229,27 @@ pub trait Router {
     /// index of the engines' caches, so `None`.
     fn selector_overlap(&self) -> Option<OverlapTotals> {
         None
+    }
+    /// Whether this router's bookings are shared with other replicas of it
+    /// ([`crate::replicas`]); the routers built on the selector share them.
+    fn shares_bookings(&self) -> bool {
+        false
+    }
+    /// The state of this router's own booking of request `id`, for the other replicas (`None`:
+    /// no such live booking).
+    fn export_booking(&self, _id: RequestId) -> Option<SyncedBooking> {
+        None
+    }
+    /// Another replica's (`from`) booking of `id` reached this one: its state, or `None` when it
+    /// was freed there.
+    fn import_booking(
+        &mut self,
+        _from: usize,
+        _id: RequestId,
+        _state: Option<&SyncedBooking>,
+        _now: Instant,
+    ) -> Result<(), SimError> {
+        Ok(())
     }
 }
 
@@ -627,6 +649,37 @@ impl Router for SelectorRouter {
 
     fn selector_overlap(&self) -> Option<OverlapTotals> {
         Some(self.overlap)
+    }
+
+    fn shares_bookings(&self) -> bool {
+        true
+    }
+
+    fn export_booking(&self, id: RequestId) -> Option<SyncedBooking> {
+        let rid = self.ids.get(&id)?;
+        self.selector.synced_booking(rid)
+    }
+
+    fn import_booking(
+        &mut self,
+        from: usize,
+        id: RequestId,
+        state: Option<&SyncedBooking>,
+        now: Instant,
+    ) -> Result<(), SimError> {
+        let replica = format!("replica-{from}");
+        let rid = format!("r{id}");
+        match state {
+            Some(state) => {
+                self.selector
+                    .apply_synced_booking(BookingOwner::Remote(&replica), &rid, state, now)
+                    .map_err(|e| SimError::Internal(format!("replica sync of {rid}: {e}")))?;
+            }
+            None => {
+                self.selector.remove_remote_booking(&replica, &rid);
+            }
+        }
+        Ok(())
     }
 }
 
