@@ -91,6 +91,9 @@ pub struct SimArgs {
         allow_hyphen_values = true
     )]
     pub sync_delay_ms: f64,
+    /// Whether selector-backed router replicas prefer their own share of near-equal ranks.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub replica_spread: bool,
     /// Token budget of one engine step.
     #[arg(long, default_value_t = 8192)]
     pub max_num_batched_tokens: u64,
@@ -204,6 +207,7 @@ pub fn sim_config(args: &SimArgs) -> Result<SimConfig, String> {
         seed: args.seed,
         router_replicas: args.router_replicas,
         sync_delay: Duration::from_secs_f64(args.sync_delay_ms / 1e3),
+        replica_spread: args.replica_spread,
     };
     config.validate().map_err(|e| e.to_string())?;
     Ok(config)

@@ -9,7 +9,9 @@
 //! later), then the router hears of first tokens, new output blocks and finished requests.
 
 use crate::engine::{Engine, EngineConfig, EngineCounters};
-use crate::policy::{OverlapTotals, Policy, Router, RouterDiagnostics, build_router};
+use crate::policy::{
+    OverlapTotals, Policy, Router, RouterDiagnostics, build_replica, build_router,
+};
 use crate::replicas::Replicated;
 use crate::timing::Nanos;
 use crate::workload::Workload;
@@ -45,6 +47,10 @@ pub struct SimConfig {
     pub router_replicas: usize,
     /// How late one replica hears of another's bookings (as over NATS).
     pub sync_delay: Duration,
+    /// Whether selector-backed replicas are named, so each finds its place among the others
+    /// and spreads near-equal picks (`kvroute_core::selector::ReplicaSpread`); off, they are
+    /// anonymous and pick as a lone router would.
+    pub replica_spread: bool,
 }
 
 impl Default for SimConfig {
@@ -56,6 +62,7 @@ impl Default for SimConfig {
             seed: 0,
             router_replicas: 1,
             sync_delay: DEFAULT_SYNC_DELAY,
+            replica_spread: true,
         }
     }
 }
@@ -158,7 +165,10 @@ pub fn run_policy(
     }
     let mut router: Box<dyn Router> = if config.router_replicas > 1 {
         let replicas = (0..config.router_replicas)
-            .map(|_| build_router(policy, config.workers, &config.engine))
+            .map(|index| {
+                let name = config.replica_spread.then_some(index);
+                build_replica(policy, config.workers, &config.engine, name)
+            })
             .collect::<Result<Vec<_>, _>>()?;
         Box::new(Replicated::new(replicas, config.sync_delay)?)
     } else {
