@@ -10,7 +10,7 @@ use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kvroute_core::selector::PredictConfig;
 use kvroute_sim::engine::DEFAULT_KV_BLOCKS;
 use kvroute_sim::policy::{SelectorPolicy, kvroute_policy};
-use kvroute_sim::sim::DEFAULT_EVENT_DELAY;
+use kvroute_sim::sim::{DEFAULT_EVENT_DELAY, DEFAULT_SYNC_DELAY};
 use kvroute_sim::workload::{
     AgenticSpec, agentic_workload, mooncake_workload, parse_mooncake, synthetic_workload,
 };
@@ -80,6 +80,20 @@ pub struct SimArgs {
         allow_hyphen_values = true
     )]
     pub event_delay_ms: f64,
+    /// Routers of each policy in front of the engines, the requests dealt round robin across
+    /// them; each hears of the others' bookings --sync-delay-ms late (kvroute replicas over NATS).
+    #[arg(long, default_value_t = 1)]
+    pub router_replicas: usize,
+    /// How late one router replica hears of another's bookings, ms.
+    #[arg(
+        long,
+        default_value_t = DEFAULT_SYNC_DELAY.as_secs_f64() * 1e3,
+        allow_hyphen_values = true
+    )]
+    pub sync_delay_ms: f64,
+    /// Whether selector-backed router replicas prefer their own share of near-equal ranks.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub replica_spread: bool,
     /// Token budget of one engine step.
     #[arg(long, default_value_t = 8192)]
     pub max_num_batched_tokens: u64,
@@ -162,6 +176,12 @@ pub fn sim_config(args: &SimArgs) -> Result<SimConfig, String> {
             args.event_delay_ms
         ));
     }
+    if !(args.sync_delay_ms.is_finite() && args.sync_delay_ms >= 0.0) {
+        return Err(format!(
+            "invalid --sync-delay-ms: must be a non-negative number, got {}",
+            args.sync_delay_ms
+        ));
+    }
     let config = SimConfig {
         workers: args.workers,
         engine: EngineConfig {
@@ -185,6 +205,9 @@ pub fn sim_config(args: &SimArgs) -> Result<SimConfig, String> {
         },
         event_delay: Duration::from_secs_f64(args.event_delay_ms / 1e3),
         seed: args.seed,
+        router_replicas: args.router_replicas,
+        sync_delay: Duration::from_secs_f64(args.sync_delay_ms / 1e3),
+        replica_spread: args.replica_spread,
     };
     config.validate().map_err(|e| e.to_string())?;
     Ok(config)
@@ -357,7 +380,7 @@ fn run_inner(args: &SimArgs) -> Result<(), String> {
 
     println!(
         "workload: {} — {} requests, {} prompt tokens; {} workers × {} KV blocks of {} tokens, \
-         engine speed-up {}, event delay {} ms, seed {}",
+         engine speed-up {}, event delay {} ms{}, seed {}",
         report.trace,
         report.requests,
         workload.prompt_tokens(),
@@ -368,6 +391,14 @@ fn run_inner(args: &SimArgs) -> Result<(), String> {
         report.block_size,
         report.speedup,
         report.event_delay_ms,
+        if report.router_replicas > 1 {
+            format!(
+                ", {} router replicas (sync delay {} ms)",
+                report.router_replicas, report.sync_delay_ms
+            )
+        } else {
+            String::new()
+        },
         report.seed
     );
     print!("{}", report.to_table());

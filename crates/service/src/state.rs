@@ -318,6 +318,9 @@ impl AppState {
                 .map_err(|e| format!("cannot start the KV-event applier thread: {e}"))?;
         }
         let sync = crate::sync::SyncHandle::new(&config.sync, Arc::clone(&metrics));
+        // With peers, near-equal picks spread by this replica's place among them
+        // (`ReplicaSpread`), refreshed by every housekeeping tick.
+        selector.write().set_replica_id(sync.replica_id());
         let ingest = IngestManager::with_config(
             sync.wrap_sink(sink),
             Arc::clone(&metrics),

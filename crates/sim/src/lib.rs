@@ -13,6 +13,8 @@
 //!   bursts, one-shot requests; [`workload::agentic`]).
 //! - [`policy`]: round robin, random, least loaded, SGLang-style cache-aware, and the selector with
 //!   Dynamo's defaults (`dynamo`) or kvroute's own (`kvroute`).
+//! - [`replicas`]: several routers of one policy that hear of each other's bookings late
+//!   (`--router-replicas`).
 //! - [`sim`]: the event loop ([`sim::run_policy`]).
 //! - [`report`]: per-policy hit rate, decision quality, TTFT, latency, throughput, imbalance,
 //!   preemptions; JSON, a text table and an SVG chart.
@@ -32,6 +34,7 @@
 pub mod engine;
 pub mod policy;
 pub mod pool;
+pub mod replicas;
 pub mod report;
 pub mod sim;
 pub mod timing;

@@ -24,7 +24,8 @@ use kvroute_core::event::KvEvent;
 use kvroute_core::hash::PromptHashes;
 use kvroute_core::schedule::{RouterProfile, SchedulerConfig};
 use kvroute_core::selector::{
-    LifecycleCalls, PredictConfig, Prompt, SelectRequest, Selector, SelectorConfig, WorkerSpec,
+    BookingOwner, LifecycleCalls, PredictConfig, Prompt, SelectRequest, Selector, SelectorConfig,
+    SyncedBooking, WorkerSpec,
 };
 use rand::Rng;
 use rand::rngs::SmallRng;
@@ -129,7 +130,7 @@ pub fn catalog(kvroute: SelectorPolicy) -> Vec<Policy> {
         kind: PolicyKind::Selector(SelectorPolicy {
             kv_events: false,
             approximate_policy,
-            ..dynamo_policy()
+            ..kvroute
         }),
         unavailable: None,
     };
@@ -229,6 +230,27 @@ pub trait Router {
     fn selector_overlap(&self) -> Option<OverlapTotals> {
         None
     }
+    /// Whether this router's bookings are shared with other replicas of it
+    /// ([`crate::replicas`]); the routers built on the selector share them.
+    fn shares_bookings(&self) -> bool {
+        false
+    }
+    /// The state of this router's own booking of request `id`, for the other replicas (`None`:
+    /// no such live booking).
+    fn export_booking(&self, _id: RequestId) -> Option<SyncedBooking> {
+        None
+    }
+    /// Another replica's (`from`) booking of `id` reached this one: its state, or `None` when it
+    /// was freed there.
+    fn import_booking(
+        &mut self,
+        _from: usize,
+        _id: RequestId,
+        _state: Option<&SyncedBooking>,
+        _now: Instant,
+    ) -> Result<(), SimError> {
+        Ok(())
+    }
 }
 
 /// Sums of the chosen and the best device overlap over a run's selections, in tokens.
@@ -251,6 +273,18 @@ pub fn build_router(
     workers: usize,
     engine: &EngineConfig,
 ) -> Result<Box<dyn Router>, SimError> {
+    build_replica(policy, workers, engine, None)
+}
+
+/// Builds the router of a policy as replica `replica` of several ([`crate::replicas`]): a
+/// selector-backed one is named [`replica_name`] so it finds its place among the replicas it
+/// hears of (`Selector::set_replica_id`); `None` leaves it unnamed, as a lone router.
+pub fn build_replica(
+    policy: &Policy,
+    workers: usize,
+    engine: &EngineConfig,
+    replica: Option<usize>,
+) -> Result<Box<dyn Router>, SimError> {
     if let Some(reason) = policy.unavailable {
         return Err(SimError::Unavailable {
             policy: policy.name.to_string(),
@@ -265,7 +299,9 @@ pub fn build_router(
         PolicyKind::Random => Box::new(RandomRouter { workers }),
         PolicyKind::LeastLoaded => Box::new(LeastLoaded::new(workers, engine.block_size)),
         PolicyKind::CacheAware(config) => Box::new(CacheAware::new(workers, engine, config)),
-        PolicyKind::Selector(config) => Box::new(SelectorRouter::new(workers, engine, config)?),
+        PolicyKind::Selector(config) => {
+            Box::new(SelectorRouter::new(workers, engine, config, replica)?)
+        }
     })
 }
 
@@ -489,6 +525,11 @@ impl Router for CacheAware {
     }
 }
 
+/// The replica id router replica `index` has in replica sync.
+pub fn replica_name(index: usize) -> String {
+    format!("replica-{index}")
+}
+
 /// Worker ids the selector sees: 1-based, so worker 0 of the simulator is id 1.
 fn worker_id(worker: usize) -> u64 {
     worker as u64 + 1
@@ -510,6 +551,7 @@ impl SelectorRouter {
         workers: usize,
         engine: &EngineConfig,
         config: SelectorPolicy,
+        replica: Option<usize>,
     ) -> Result<Self, SimError> {
         let mut selector = Selector::new(SelectorConfig {
             scheduler: config.scheduler,
@@ -520,6 +562,7 @@ impl SelectorRouter {
             },
             ..SelectorConfig::default()
         });
+        selector.set_replica_id(replica.map(replica_name).as_deref());
         let partition = PartitionKey::new("sim", "default");
         for w in 0..workers {
             let id = worker_id(w);
@@ -627,6 +670,37 @@ impl Router for SelectorRouter {
 
     fn selector_overlap(&self) -> Option<OverlapTotals> {
         Some(self.overlap)
+    }
+
+    fn shares_bookings(&self) -> bool {
+        true
+    }
+
+    fn export_booking(&self, id: RequestId) -> Option<SyncedBooking> {
+        let rid = self.ids.get(&id)?;
+        self.selector.synced_booking(rid)
+    }
+
+    fn import_booking(
+        &mut self,
+        from: usize,
+        id: RequestId,
+        state: Option<&SyncedBooking>,
+        now: Instant,
+    ) -> Result<(), SimError> {
+        let replica = replica_name(from);
+        let rid = format!("r{id}");
+        match state {
+            Some(state) => {
+                self.selector
+                    .apply_synced_booking(BookingOwner::Remote(&replica), &rid, state, now)
+                    .map_err(|e| SimError::Internal(format!("replica sync of {rid}: {e}")))?;
+            }
+            None => {
+                self.selector.remove_remote_booking(&replica, &rid);
+            }
+        }
+        Ok(())
     }
 }
 
@@ -749,7 +823,7 @@ mod tests {
         let now = Instant::now();
         let mut rng = SmallRng::seed_from_u64(3);
         let engine = EngineConfig::default();
-        let mut r = SelectorRouter::new(2, &engine, dynamo_policy()).unwrap();
+        let mut r = SelectorRouter::new(2, &engine, dynamo_policy(), None).unwrap();
         let p = prompt(0..640);
         // Worker 1 (index 1) reports the prompt's 10 blocks: the selector prefers it.
         r.on_kv_events(1, &[stored(&p)]);
@@ -794,7 +868,7 @@ mod tests {
         let now = Instant::now();
         let mut rng = SmallRng::seed_from_u64(3);
         let engine = EngineConfig::default();
-        let mut r = SelectorRouter::new(4, &engine, kvroute_policy()).unwrap();
+        let mut r = SelectorRouter::new(4, &engine, kvroute_policy(), None).unwrap();
         let p = prompt(0..6400);
         let w = r.route(0, &p, now, &mut rng).unwrap();
         r.on_first_token(0, now).unwrap();
@@ -823,7 +897,7 @@ mod tests {
         assert_eq!(r.diagnostics(), RouterDiagnostics::default());
 
         // `dynamo` does not predict (Dynamo 1.6.1's default).
-        let mut d = SelectorRouter::new(4, &engine, dynamo_policy()).unwrap();
+        let mut d = SelectorRouter::new(4, &engine, dynamo_policy(), None).unwrap();
         d.route(0, &p, now, &mut rng).unwrap();
         assert_eq!(d.selector.predicted_blocks(), 0);
         assert_eq!(device_blocks(&d, &p), vec![0, 0, 0, 0]);

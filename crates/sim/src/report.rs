@@ -44,12 +44,27 @@ pub struct LatencyStats {
     pub max: f64,
 }
 
+/// Where the mean time to first token went, milliseconds (the three add up to the TTFT mean of
+/// the requests that produced a first token).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Default)]
+pub struct TtftParts {
+    /// The rest of the step the chosen engine was running when the request arrived: no queue
+    /// and no policy avoids it on that engine (0 when it was idle).
+    pub step_in_flight: f64,
+    /// Waiting behind other requests beyond that step, until the request was first admitted.
+    pub queued: f64,
+    /// From the start of its first step to its first token: its own prefill (the uncached
+    /// tokens, in chunks) in steps shared with the engine's other work.
+    pub prefill: f64,
+}
+
 /// One policy's line of the report.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct PolicyReport {
     pub name: String,
     pub prefix_hit_rate: f64,
     pub ttft_ms: LatencyStats,
+    pub ttft_parts_ms: TtftParts,
     pub e2e_ms: LatencyStats,
     pub throughput_rps: f64,
     pub load_imbalance: f64,
@@ -87,7 +102,16 @@ pub struct Report {
     pub kv_blocks: Option<u64>,
     pub speedup: f64,
     pub event_delay_ms: f64,
+    /// Routers of each policy (`--router-replicas`) and how late they hear of each other's
+    /// bookings.
+    pub router_replicas: usize,
+    pub sync_delay_ms: f64,
     pub seed: u64,
+    /// A lower bound of every policy's TTFT ([`ideal_ttft`])...
+    pub ideal_ttft_ms: LatencyStats,
+    /// ...and the hit rate of its cache, which no policy's exceeds by more than the cache an
+    /// evicted-then-recomputed block can add.
+    pub ideal_hit_rate: f64,
     pub policies: Vec<PolicyReport>,
     pub unavailable: Vec<UnavailablePolicy>,
 }
@@ -158,6 +182,84 @@ pub fn ttfts_ms(run: &PolicyRun) -> Vec<f64> {
     v
 }
 
+/// The mean TTFT of a run split into its parts ([`TtftParts`]).
+pub fn ttft_parts(run: &PolicyRun) -> TtftParts {
+    let mut sums = [0u64; 3];
+    let mut n = 0u64;
+    for r in &run.requests {
+        let (Some(admitted), Some(first)) = (r.admitted, r.first_token) else {
+            continue;
+        };
+        let waited = admitted.saturating_sub(r.arrival);
+        let in_flight = r.step_in_flight_wait.min(waited);
+        sums[0] += in_flight;
+        sums[1] += waited - in_flight;
+        sums[2] += first.saturating_sub(admitted);
+        n += 1;
+    }
+    let mean = |x: u64| {
+        if n == 0 {
+            0.0
+        } else {
+            round(x as f64 / n as f64 / 1e6, 3)
+        }
+    };
+    TtftParts {
+        step_in_flight: mean(sums[0]),
+        queued: mean(sums[1]),
+        prefill: mean(sums[2]),
+    }
+}
+
+/// A lower bound of the time to first token of each request under any policy, milliseconds,
+/// sorted: the request alone on an idle engine that holds every prompt block of every request
+/// that arrived before it (one unlimited cache shared by the fleet, blocks counted as cached
+/// even before they are computed), computing the rest in the fewest, evenly sized chunks the
+/// step budget allows, with no decode in its steps and no step in flight at arrival. What a
+/// policy loses against it is queueing, steps shared with other work, and cache it missed.
+/// Also returns the prefix hit rate of that cache (prompt tokens served from it ÷ all).
+pub fn ideal_ttft(workload: &Workload, config: &SimConfig) -> (Vec<f64>, f64) {
+    let engine = &config.engine;
+    let block_size = u64::from(engine.block_size);
+    let budget = engine.max_num_batched_tokens.max(1);
+    let mut seen = hashbrown::HashSet::new();
+    let mut out: Vec<f64> = Vec::with_capacity(workload.requests.len());
+    let (mut hit_tokens, mut prompt_tokens) = (0u64, 0u64);
+    for r in &workload.requests {
+        if !engine.fits(r) {
+            continue;
+        }
+        let prompt = &r.prompt;
+        let max_hit = (prompt.isl_tokens.saturating_sub(1) / block_size.max(1)) as usize;
+        let hit = prompt
+            .sequence
+            .iter()
+            .take(max_hit)
+            .take_while(|h| seen.contains(*h))
+            .count() as u64;
+        seen.extend(prompt.sequence.iter().copied());
+        let uncached = prompt.isl_tokens.saturating_sub(hit * block_size).max(1);
+        hit_tokens += prompt.isl_tokens - uncached;
+        prompt_tokens += prompt.isl_tokens;
+        let chunks = uncached.div_ceil(budget);
+        let ms: f64 = (0..chunks)
+            .map(|i| {
+                // `uncached` split as evenly as whole tokens allow.
+                let size = uncached / chunks + u64::from(i < uncached % chunks);
+                engine.timing.prefill_ms(size)
+            })
+            .sum();
+        out.push(ms / engine.timing.speedup);
+    }
+    out.sort_by(f64::total_cmp);
+    let hit_rate = if prompt_tokens == 0 {
+        0.0
+    } else {
+        round(hit_tokens as f64 / prompt_tokens as f64, 6)
+    };
+    (out, hit_rate)
+}
+
 /// Summarises one run.
 pub fn summarize(run: &PolicyRun) -> PolicyReport {
     let completed: Vec<_> = run
@@ -203,6 +305,7 @@ pub fn summarize(run: &PolicyRun) -> PolicyReport {
             round(cached_tokens as f64 / prompt_tokens as f64, 6)
         },
         ttft_ms: stats(ttfts_ms(run)),
+        ttft_parts_ms: ttft_parts(run),
         e2e_ms: stats(e2e),
         throughput_rps: if span_secs > 0.0 {
             round(completed.len() as f64 / span_secs, 4)
@@ -233,6 +336,7 @@ pub fn build_report(
     runs: &[PolicyRun],
     unavailable: Vec<UnavailablePolicy>,
 ) -> Report {
+    let ideal = ideal_ttft(workload, config);
     Report {
         trace: workload.name.clone(),
         workers: config.workers,
@@ -241,7 +345,11 @@ pub fn build_report(
         kv_blocks: config.engine.kv_blocks,
         speedup: config.engine.timing.speedup,
         event_delay_ms: round(config.event_delay.as_secs_f64() * 1e3, 6),
+        router_replicas: config.router_replicas,
+        sync_delay_ms: round(config.sync_delay.as_secs_f64() * 1e3, 6),
         seed: config.seed,
+        ideal_ttft_ms: stats(ideal.0),
+        ideal_hit_rate: ideal.1,
         policies: runs.iter().map(summarize).collect(),
         unavailable,
     }
@@ -304,6 +412,22 @@ impl Report {
         }
         for u in &self.unavailable {
             out.push_str(&format!("{:<20} unavailable: {}\n", u.name, u.reason));
+        }
+        let ideal = self.ideal_ttft_ms;
+        out.push_str(&format!(
+            "{:<20} {:>7.2}% {:>7} {:>8} {:>8.1}ms {:>7.1}ms {:>7.1}ms {:>7.1}ms   (a bound for any policy: one shared unlimited cache, an idle engine)\n",
+            "ideal", self.ideal_hit_rate * 100.0, "", "", ideal.mean, ideal.p50, ideal.p90, ideal.p99
+        ));
+        out.push_str(&format!(
+            "\n{:<20} {:>12} {:>9} {:>9}   (mean TTFT, ms: the chosen engine's step in flight at arrival + queued behind others + own prefill)\n",
+            "policy", "step in flight", "queued", "prefill"
+        ));
+        for p in &self.policies {
+            let t = p.ttft_parts_ms;
+            out.push_str(&format!(
+                "{:<20} {:>12.1}ms {:>7.1}ms {:>7.1}ms\n",
+                p.name, t.step_in_flight, t.queued, t.prefill
+            ));
         }
         out
     }
@@ -534,7 +658,11 @@ mod tests {
             kv_blocks: None,
             speedup: 1.0,
             event_delay_ms: 20.0,
+            router_replicas: 1,
+            sync_delay_ms: 5.0,
             seed: 0,
+            ideal_ttft_ms: LatencyStats::default(),
+            ideal_hit_rate: 0.0,
             policies: vec![p],
             unavailable: Vec::new(),
         };

@@ -9,7 +9,10 @@
 //! later), then the router hears of first tokens, new output blocks and finished requests.
 
 use crate::engine::{Engine, EngineConfig, EngineCounters};
-use crate::policy::{OverlapTotals, Policy, RouterDiagnostics, build_router};
+use crate::policy::{
+    OverlapTotals, Policy, Router, RouterDiagnostics, build_replica, build_router,
+};
+use crate::replicas::Replicated;
 use crate::timing::Nanos;
 use crate::workload::Workload;
 use crate::{RequestId, SimError};
@@ -26,6 +29,10 @@ use std::time::{Duration, Instant};
 /// tests assume.
 pub const DEFAULT_EVENT_DELAY: Duration = Duration::from_millis(20);
 
+/// How late a router replica hears of another's bookings unless told otherwise: a NATS hop on
+/// one site.
+pub const DEFAULT_SYNC_DELAY: Duration = Duration::from_millis(5);
+
 /// The fleet and the run's knobs.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SimConfig {
@@ -36,6 +43,14 @@ pub struct SimConfig {
     pub event_delay: Duration,
     /// Seeds the policy's random choices (the same seed for every policy).
     pub seed: u64,
+    /// Routers of the policy, requests dealt round robin across them ([`crate::replicas`]).
+    pub router_replicas: usize,
+    /// How late one replica hears of another's bookings (as over NATS).
+    pub sync_delay: Duration,
+    /// Whether selector-backed replicas are named, so each finds its place among the others
+    /// and spreads near-equal picks (`kvroute_core::selector::ReplicaSpread`); off, they are
+    /// anonymous and pick as a lone router would.
+    pub replica_spread: bool,
 }
 
 impl Default for SimConfig {
@@ -45,6 +60,9 @@ impl Default for SimConfig {
             engine: EngineConfig::default(),
             event_delay: Duration::ZERO,
             seed: 0,
+            router_replicas: 1,
+            sync_delay: DEFAULT_SYNC_DELAY,
+            replica_spread: true,
         }
     }
 }
@@ -56,6 +74,12 @@ impl SimConfig {
         }
         if u32::try_from(self.workers).is_err() {
             return Err(SimError::invalid("workers", "must be at most 2^32 - 1"));
+        }
+        if self.router_replicas == 0 || self.router_replicas > 64 {
+            return Err(SimError::invalid(
+                "router-replicas",
+                format!("must be between 1 and 64, got {}", self.router_replicas),
+            ));
         }
         self.engine.validate()
     }
@@ -76,6 +100,11 @@ pub struct RequestOutcome {
     /// ...and the longest such prefix on any engine then (the decision quality of issue 29,
     /// against the engines' real caches).
     pub best_overlap_tokens: u64,
+    /// When the step that first admitted it started.
+    pub admitted: Option<Nanos>,
+    /// The rest of the step the chosen engine was running at arrival (0 when it was idle): a
+    /// wait no queue or policy on that engine can avoid.
+    pub step_in_flight_wait: Nanos,
     /// Larger than any engine's KV pool: never routed.
     pub rejected: bool,
 }
@@ -134,12 +163,24 @@ pub fn run_policy(
             ),
         ));
     }
-    let mut router = build_router(policy, config.workers, &config.engine)?;
+    let mut router: Box<dyn Router> = if config.router_replicas > 1 {
+        let replicas = (0..config.router_replicas)
+            .map(|index| {
+                let name = config.replica_spread.then_some(index);
+                build_replica(policy, config.workers, &config.engine, name)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Box::new(Replicated::new(replicas, config.sync_delay)?)
+    } else {
+        build_router(policy, config.workers, &config.engine)?
+    };
     let mut rng = SmallRng::seed_from_u64(config.seed);
     let mut engines: Vec<Engine> = (0..config.workers)
         .map(|_| Engine::new(config.engine))
         .collect();
     let mut wake_pending = vec![false; config.workers];
+    // When each engine's step in flight started and ends.
+    let mut steps: Vec<(Nanos, Nanos)> = vec![(0, 0); config.workers];
     let mut delayed: Vec<VecDeque<Vec<KvEvent>>> = vec![VecDeque::new(); config.workers];
     let delay_nanos = u64::try_from(config.event_delay.as_nanos()).unwrap_or(u64::MAX);
     let requests = &workload.requests;
@@ -187,8 +228,14 @@ pub fn run_policy(
                     )));
                 };
                 let chosen = cached_tokens(engine);
+                let in_flight_wait = if engine.in_step() {
+                    steps[w].1.saturating_sub(t)
+                } else {
+                    0
+                };
                 engine.submit(id, request);
                 let outcome = &mut outcomes[id as usize];
+                outcome.step_in_flight_wait = in_flight_wait;
                 outcome.worker = Some(w as u32);
                 outcome.chosen_overlap_tokens = chosen;
                 outcome.best_overlap_tokens = best;
@@ -199,12 +246,20 @@ pub fn run_policy(
             }
             Event::StepStart(w) => {
                 wake_pending[w as usize] = false;
-                start_step(&mut engines[w as usize], w, t, workload, &mut queue)?;
+                start_step(
+                    &mut engines[w as usize],
+                    w,
+                    t,
+                    workload,
+                    &mut queue,
+                    &mut steps,
+                )?;
             }
             Event::StepEnd(w) => {
                 let report = engines[w as usize].finish_step();
                 for &(id, cached) in &report.first_admissions {
                     outcomes[id as usize].cached_tokens = cached;
+                    outcomes[id as usize].admitted = Some(steps[w as usize].0);
                 }
                 if !report.events.is_empty() {
                     if delay_nanos == 0 {
@@ -227,7 +282,14 @@ pub fn run_policy(
                     done += 1;
                     progress(done);
                 }
-                start_step(&mut engines[w as usize], w, t, workload, &mut queue)?;
+                start_step(
+                    &mut engines[w as usize],
+                    w,
+                    t,
+                    workload,
+                    &mut queue,
+                    &mut steps,
+                )?;
             }
             Event::DeliverEvents(w) => {
                 if let Some(events) = delayed[w as usize].pop_front() {
@@ -256,12 +318,17 @@ fn start_step(
     t: Nanos,
     workload: &Workload,
     queue: &mut Queue,
+    steps: &mut [(Nanos, Nanos)],
 ) -> Result<(), SimError> {
     if engine.in_step() {
         return Ok(());
     }
     match engine.start_step(&workload.requests)? {
-        Some(duration) => queue.push(t.saturating_add(duration), Event::StepEnd(w)),
+        Some(duration) => {
+            let end = t.saturating_add(duration);
+            steps[w as usize] = (t, end);
+            queue.push(end, Event::StepEnd(w));
+        }
         None if engine.has_work() => {
             return Err(SimError::Internal(format!(
                 "engine {w} has {} waiting and {} running requests but scheduled nothing",

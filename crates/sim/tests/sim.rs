@@ -275,7 +275,20 @@ fn the_chart_names_every_policy() {
     let svg = render_svg(&report, &runs).unwrap();
     assert!(svg.starts_with("<svg"), "{}", &svg[..svg.len().min(80)]);
     assert!(svg.contains("round_robin") && svg.contains("dynamo"));
-    assert!(report.to_table().lines().count() == 3);
+    // A header, a line per policy and the ideal bound, a blank line, then the TTFT parts' header
+    // and lines.
+    assert_eq!(report.to_table().lines().count(), 8);
+    for p in &report.policies {
+        assert!(p.ttft_ms.mean >= report.ideal_ttft_ms.mean, "{p:?}");
+        assert!(p.ttft_ms.p50 >= report.ideal_ttft_ms.p50, "{p:?}");
+    }
+    let parts = report.policies[1].ttft_parts_ms;
+    let sum = parts.step_in_flight + parts.queued + parts.prefill;
+    assert!(
+        (sum - report.policies[1].ttft_ms.mean).abs() < 0.01,
+        "{parts:?} add up to {sum}, TTFT mean {}",
+        report.policies[1].ttft_ms.mean
+    );
 }
 
 /// Decision quality (issue 29): one worker is always the best one on offer, so 1 for every policy,

@@ -69,7 +69,7 @@ pub use predict::{
     DEFAULT_MAX_PREDICTED_BLOCKS, DEFAULT_PREDICTED_TTL, PredictConfig, PredictionCounters,
 };
 pub use reservations::LifecycleCalls;
-pub use sync::{BookingOwner, SyncApplyError, SyncApplyOutcome, SyncedBooking};
+pub use sync::{BookingOwner, ReplicaSpread, SyncApplyError, SyncApplyOutcome, SyncedBooking};
 pub use types::*;
 /// Prefill capacity reported for a worker whose `max_num_batched_tokens` is unknown (as Dynamo).
 pub const UNKNOWN_PREFILL_CAPACITY: u64 = 10_000_000;
@@ -145,6 +145,9 @@ pub struct Selector {
     predictions: Mutex<predict::Predictions>,
     /// Whether `predictions` has bookings waiting (read without its mutex).
     predictions_queued: AtomicBool,
+    /// This replica's id among replicas sharing bookings, and its place among the live ones
+    /// (`sync.rs`).
+    replica: Option<(String, Option<ReplicaSpread>)>,
     shutting_down: bool,
 }
 
@@ -195,6 +198,7 @@ impl Selector {
             pending: Mutex::new(PendingCache::new(config.pending)),
             predictions: Mutex::new(predict::Predictions::new(config.predict)),
             predictions_queued: AtomicBool::new(false),
+            replica: None,
             shutting_down: false,
         }
     }
@@ -256,6 +260,7 @@ impl Selector {
         let reaped = exclusive(&mut self.lru).reap(now);
         self.apply_ranked_events(&reaped.events);
         let expired_selections = self.pending().purge_expired(now);
+        self.refresh_replica_spread();
         TickOutcome {
             expired_reservations: expired
                 .into_iter()

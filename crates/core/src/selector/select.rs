@@ -8,7 +8,7 @@ use crate::hash::PromptHashes;
 use crate::index::RankOverlap;
 use crate::load::Booking;
 use crate::pending::PendingKey;
-use crate::schedule::{Candidate, pick};
+use crate::schedule::{Candidate, RouterProfile, pick};
 use std::sync::Arc;
 
 /// Ranks with a non-zero overlap, sorted by rank for lookups by binary search (cheaper than
@@ -126,7 +126,33 @@ impl Selector {
                 .iter()
                 .map(|&i| config.cost(&candidates[i].0, hashes.isl_tokens, block_size))
                 .collect();
-            free[pick(&costs, config.router_temperature, rng)]
+            let picked = pick(&costs, config.router_temperature, rng);
+            // Dynamo 1.6.1 does not spread: its profile picks the cheapest on every replica.
+            let spread = self
+                .replica_spread()
+                .filter(|_| config.profile == RouterProfile::Kvroute);
+            match spread {
+                Some(s) => {
+                    // What this request adds to the rank it goes to: its uncached prefill there.
+                    let c = &candidates[free[picked]].0;
+                    let own = config.prefill_load_scale
+                        * config.effective_prefill_tokens(
+                            hashes.isl_tokens,
+                            block_size,
+                            c.device_blocks,
+                            c.host_blocks,
+                            c.disk_blocks,
+                        ) as f64
+                        / f64::from(block_size.max(1));
+                    let limit = costs[picked] + own;
+                    let home = (0..free.len())
+                        .filter(|&j| free[j] % s.replicas as usize == s.index as usize)
+                        .filter(|&j| costs[j] <= limit)
+                        .min_by(|&a, &b| costs[a].total_cmp(&costs[b]));
+                    free[home.unwrap_or(picked)]
+                }
+                None => free[picked],
+            }
         };
         let Some(&(candidate, record)) = candidates.get(chosen) else {
             return Err(Error::NoEndpointsAvailable);

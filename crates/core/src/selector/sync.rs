@@ -132,7 +132,64 @@ fn split_remote_key(key: &str) -> Option<(&str, &str)> {
     key.strip_prefix(REMOTE_MARK)?.split_once(REMOTE_MARK)
 }
 
+/// This router is replica `index` of `replicas` routing the same workers, each hearing of the
+/// others' bookings late (over NATS, after a few milliseconds).
+///
+/// Replicas with the same view pick the same rank: two that have not yet heard of each other's
+/// last bookings send a burst's requests to the same "best" ranks and queue them there. So among
+/// the ranks whose cost is within what the request itself adds to a rank (its uncached prefill
+/// there, weighted as the cost weighs it) of the cheapest, each replica takes the cheapest of
+/// its own share of the candidates (those at a position ≡ `index` modulo `replicas`), when it has
+/// one: the replicas' picks from one view then differ, while a prefix's holder, cheaper than the
+/// others by more than that, still wins on every replica. Alone, a router picks the cheapest;
+/// under the `dynamo` router profile every replica does (Dynamo 1.6.1 does not spread).
+///
+/// The replicas are the ones with live bookings here plus this one, ordered by id, so every
+/// replica computes the same order; [`Selector::tick`] refreshes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplicaSpread {
+    pub index: u32,
+    pub replicas: u32,
+}
+
 impl Selector {
+    /// Names this selector as replica `id` among replicas sharing bookings (`None`: alone). Its
+    /// place among them ([`ReplicaSpread`]) is refreshed now and by every [`Selector::tick`].
+    pub fn set_replica_id(&mut self, id: Option<&str>) {
+        self.replica = id.map(|id| (id.to_string(), None));
+        self.refresh_replica_spread();
+    }
+
+    /// This replica's place among the live replicas, when there are others.
+    pub fn replica_spread(&self) -> Option<ReplicaSpread> {
+        self.replica.as_ref().and_then(|(_, spread)| *spread)
+    }
+
+    /// Recomputes [`Selector::replica_spread`] from the replicas with live bookings here. O(n).
+    pub(super) fn refresh_replica_spread(&mut self) {
+        let Some((own, _)) = &self.replica else {
+            return;
+        };
+        let mut ids: Vec<String> = self
+            .remote_bookings()
+            .into_iter()
+            .map(|(replica, _)| replica)
+            .filter(|r| r != own)
+            .collect();
+        ids.push(own.clone());
+        ids.sort_unstable();
+        ids.dedup();
+        let spread = ids.iter().position(|r| r == own).and_then(|index| {
+            (ids.len() > 1).then(|| ReplicaSpread {
+                index: u32::try_from(index).unwrap_or(u32::MAX),
+                replicas: u32::try_from(ids.len()).unwrap_or(u32::MAX),
+            })
+        });
+        if let Some((_, current)) = &mut self.replica {
+            *current = spread;
+        }
+    }
+
     /// The state of this replica's own booking `reservation_id`, if live.
     pub fn synced_booking(&self, reservation_id: &str) -> Option<SyncedBooking> {
         if reservation_id.starts_with(REMOTE_MARK) {

@@ -6,7 +6,7 @@
 use crate::common::TestApp;
 use crate::common::nats::Nats;
 use kvroute_core::error::PartitionKey;
-use kvroute_core::selector::Prompt;
+use kvroute_core::selector::{Prompt, ReplicaSpread};
 use kvroute_service::sync;
 use kvroute_service::sync_tasks::{SyncTasks, start};
 use kvroute_service::{AppState, ServeConfig};
@@ -598,6 +598,36 @@ async fn sync_spreads_a_popular_prefix_over_the_workers() {
         on.0 - on.1 < off.0 - off.1,
         "sync on ({on:?}) must spread better than off ({off:?})"
     );
+}
+
+/// Issue 29: each replica finds its place among the replicas it shares bookings with
+/// (`ReplicaSpread`: near-equal picks spread by it), refreshed by the housekeeping tick, and is
+/// alone again once the other's bookings are gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_learn_their_place_among_each_other_from_shared_bookings() {
+    let nats = Nats::start();
+    let a = replica(&nats, "a", &[]).await;
+    let b = replica(&nats, "b", &[]).await;
+    assert_eq!(a.app.post("/workers", worker(1)).await.status, 201);
+    eventually("B knows worker 1", || workers(b.state()) == vec![1]).await;
+    let spread_of = |r: &Replica| {
+        r.state().tick(Instant::now());
+        r.state().selector.read().replica_spread()
+    };
+    assert_eq!((spread_of(&a), spread_of(&b)), (None, None));
+    book(&a, "from-a", 1, &tokens(0, 16)).await;
+    book(&b, "from-b", 1, &tokens(100, 16)).await;
+    eventually("each replica has both bookings", || {
+        total_requests(a.state()) == 2 && total_requests(b.state()) == 2
+    })
+    .await;
+    let place = |index| Some(ReplicaSpread { index, replicas: 2 });
+    assert_eq!((spread_of(&a), spread_of(&b)), (place(0), place(1)));
+    free(&a, "from-a").await;
+    eventually("B heard of the free", || total_requests(b.state()) == 1).await;
+    // B still has its own booking but no other replica's: alone.
+    assert_eq!(spread_of(&b), None);
+    assert_eq!(spread_of(&a), place(0), "A still hears of B's booking");
 }
 
 /// Recovery time of a restarted replica with a few thousand live bookings and relayed event

@@ -173,3 +173,124 @@ fn best_overlap_counts_a_holder_the_cost_excluded_but_not_one_the_caller_exclude
     let sel = s.select(&pinned, now, &mut rng()).unwrap();
     assert_eq!((sel.overlap.gpu, sel.best_gpu_overlap), (4, 4));
 }
+
+/// Issue 29: two replicas that hear of each other's bookings late pick from their own share of
+/// near-equal ranks, so from one view they pick different ranks; alone they pick the same one;
+/// a prefix's holder still wins on both.
+#[test]
+fn replicas_spread_near_equal_picks_and_keep_the_holder() {
+    let now = Instant::now();
+    let p = partition();
+    let mut a = selector_with(&[1, 2, 3, 4]);
+    let mut b = selector_with(&[1, 2, 3, 4]);
+    a.set_replica_id(Some("a"));
+    b.set_replica_id(Some("b"));
+    assert_eq!(a.replica_spread(), None, "no peer known yet");
+    // Each books a small prompt and the other hears of it.
+    let (small_a, small_b): (Vec<u32>, Vec<u32>) = ((1000..1016).collect(), (2000..2016).collect());
+    a.select_and_reserve(&select_req(&p, &small_a, None), Some("x"), now, &mut rng())
+        .unwrap();
+    b.select_and_reserve(&select_req(&p, &small_b, None), Some("y"), now, &mut rng())
+        .unwrap();
+    let x = a.synced_booking("x").unwrap();
+    let y = b.synced_booking("y").unwrap();
+    b.apply_synced_booking(BookingOwner::Remote("a"), "x", &x, now)
+        .unwrap();
+    a.apply_synced_booking(BookingOwner::Remote("b"), "y", &y, now)
+        .unwrap();
+    a.tick(now);
+    b.tick(now);
+    let spread = |index| Some(ReplicaSpread { index, replicas: 2 });
+    assert_eq!(
+        (a.replica_spread(), b.replica_spread()),
+        (spread(0), spread(1))
+    );
+
+    // A larger unrelated prompt: every rank is within what it adds of the cheapest.
+    let big = tokens(64);
+    let picks = |s: &Selector, seed| {
+        s.select(
+            &select_req(&p, &big, None),
+            now,
+            &mut SmallRng::seed_from_u64(seed),
+        )
+        .unwrap()
+        .worker_id
+    };
+    for seed in 0..16 {
+        let (wa, wb) = (picks(&a, seed), picks(&b, seed));
+        assert!(
+            [1, 3].contains(&wa),
+            "a's share: positions 0 and 2, got {wa}"
+        );
+        assert!(
+            [2, 4].contains(&wb),
+            "b's share: positions 1 and 3, got {wb}"
+        );
+    }
+    // Anonymous (a lone router each), the same view gives the same pick.
+    a.set_replica_id(None);
+    b.set_replica_id(None);
+    assert!((0..16).all(|seed| picks(&a, seed) == picks(&b, seed)));
+
+    // A prefix held by worker 4 (b's share) wins on replica a too.
+    a.set_replica_id(Some("a"));
+    assert_eq!(a.replica_spread(), spread(0));
+    store_prompt(&mut a, 4, &big, Tier::Device);
+    assert!((0..16).all(|seed| picks(&a, seed) == 4));
+}
+
+/// Under the `dynamo` profile a replica knows its place but picks the cheapest, as Dynamo does.
+#[test]
+fn replicas_do_not_spread_under_the_dynamo_profile() {
+    use crate::schedule::RouterProfile;
+    let now = Instant::now();
+    let p = partition();
+    let mut s = Selector::new(SelectorConfig::for_profile(RouterProfile::Dynamo));
+    for w in [1, 2, 3, 4] {
+        s.upsert_worker(spec(w)).unwrap();
+    }
+    s.set_replica_id(Some("b"));
+    let mut other = selector_with(&[1, 2, 3, 4]);
+    let small: Vec<u32> = (1000..1016).collect();
+    other
+        .select_and_reserve(&select_req(&p, &small, None), Some("x"), now, &mut rng())
+        .unwrap();
+    let x = other.synced_booking("x").unwrap();
+    s.apply_synced_booking(BookingOwner::Remote("a"), "x", &x, now)
+        .unwrap();
+    s.tick(now);
+    assert_eq!(
+        s.replica_spread(),
+        Some(ReplicaSpread {
+            index: 1,
+            replicas: 2
+        })
+    );
+    // Worker 1 holds a prefix of the prompt: the cheapest under Dynamo's weights, and at
+    // position 0, not this replica's share.
+    let big = tokens(64);
+    store_prompt(&mut s, 1, &big[..8], Tier::Device);
+    let lone = {
+        let mut t = Selector::new(SelectorConfig::for_profile(RouterProfile::Dynamo));
+        for w in [1, 2, 3, 4] {
+            t.upsert_worker(spec(w)).unwrap();
+        }
+        t.apply_synced_booking(BookingOwner::Remote("a"), "x", &x, now)
+            .unwrap();
+        store_prompt(&mut t, 1, &big[..8], Tier::Device);
+        t
+    };
+    for seed in 0..16 {
+        let pick = |sel: &Selector| {
+            sel.select(
+                &select_req(&p, &big, None),
+                now,
+                &mut SmallRng::seed_from_u64(seed),
+            )
+            .unwrap()
+            .worker_id
+        };
+        assert_eq!(pick(&s), pick(&lone), "seed {seed}");
+    }
+}
