@@ -8,7 +8,7 @@
 //! | `cache_aware` | SGLang's cache-aware router: an approximate per-worker prefix tree fed by its own routing decisions; when loads are imbalanced (max − min > 64 requests and max > 1.5 × min) the least-loaded worker, else the best match if it covers > 30 % of the prompt, else the worker with the smallest tree |
 //! | `dynamo` | kvroute's selector with Dynamo's default weights, fed the engines' exact KV events |
 //! | `kvroute` | the selector with kvroute's own settings: prefill-weighted cost, larger cache credit, the core's predict-on-route (see [`kvroute_policy`]) |
-//! | `kvroute-approx-ttl`, `kvroute-approx-lru` | the selector without KV events, relying on the approximate cache models of SPEC §9 |
+//! | `kvroute-approx-ttl`, `kvroute-approx-lru` | `kvroute` without KV events, relying on the approximate cache models of SPEC §9 |
 //!
 //! Every selector policy drives [`Selector`] exactly as the HTTP service does: workers are
 //! registered with `upsert_worker`, the engines' events go through `apply_events`, each request
