@@ -16,11 +16,15 @@ Usage (inside the namespace):
 """
 
 import argparse
+import http.client
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -1326,6 +1330,603 @@ def scenario_multimodal(r, port, zmq_base):
             p.close()
 
 
+# ------------------------------------------------------------------------------ queueing
+# Dynamo's router queue: with DYN_ROUTER_QUEUE_THRESHOLD=F set, a selection waits while every
+# eligible worker has active prefill tokens > F x max_num_batched_tokens. The scenario uses one
+# worker with max_num_batched_tokens 64 and F = 0.5, so a worker is busy above 32 active prefill
+# tokens; each queued request carries > 32 tokens, so admitting it makes the worker busy again and
+# exactly one request leaves the queue per release (prefill_complete or DELETE).
+QUEUE_THRESHOLD = "0.5"
+QUEUE_MNBT = 64
+ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def http_raw(port, method, path, body=_NO_BODY, timeout=30):
+    """One request, not recorded: (status, content_type, parsed body). Status None = no HTTP
+    response (timeout, reset); the body is then the exception's class name and text."""
+    data = None if body is _NO_BODY else json.dumps(body).encode()
+    headers = {"content-type": "application/json"} if data is not None else {}
+    req = urllib.request.Request(f"http://{HOST}:{port}{path}", data=data, method=method,
+                                 headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, ctype, text = resp.status, resp.headers.get("content-type"), resp.read()
+    except urllib.error.HTTPError as err:
+        status, ctype, text = err.code, err.headers.get("content-type"), err.read()
+    except (OSError, http.client.HTTPException) as err:
+        return None, None, f"{type(err).__name__}: {err}"
+    text = text.decode("utf-8", "replace")
+    try:
+        return status, ctype, (json.loads(text) if text else None)
+    except ValueError:
+        return status, ctype, text
+
+
+class Waiting:
+    """A request sent from a thread, so that it can sit in Dynamo's queue while the scenario goes
+    on. `entry()` turns it into an exchange in the usual shape once it has completed."""
+
+    def __init__(self, port, name, method, path, body, timeout=30):
+        self.name, self.method, self.path, self.body = name, method, path, body
+        self.sent_at = time.monotonic()
+        self.done_at = None
+        self.status = self.ctype = self.response = None
+        self.thread = threading.Thread(target=self._run, args=(port, timeout), daemon=True)
+        self.thread.start()
+
+    def _run(self, port, timeout):
+        self.status, self.ctype, self.response = http_raw(port, self.method, self.path, self.body,
+                                                          timeout)
+        self.done_at = time.monotonic()
+
+    def done(self):
+        return self.done_at is not None
+
+    def entry(self, note):
+        e = {"name": self.name, "method": self.method, "path": self.path, "request": self.body,
+             "note": note, "status": self.status}
+        if self.ctype not in (None, "application/json"):
+            e["response_content_type"] = self.ctype
+        e["response"] = self.response
+        return e
+
+
+def raw_http_open(port, path, body):
+    """Send a request on a raw socket and leave it open: closing the socket is the client
+    disconnect."""
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((HOST, port), timeout=5)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {HOST}:{port}\r\nContent-Type: application/json"
+                 f"\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def queue_loads(port, model="default"):
+    """(pending_count, pending_isl_tokens, {worker_id: active prefill}) of one partition."""
+    for part in quiet_get(port, "/loads"):
+        if part["model_name"] == model:
+            return (part["pending_count"], part["pending_isl_tokens"],
+                    {l["worker_id"]: l["potential_prefill_tokens"] for l in part["loads"]})
+    return None
+
+
+def wait_pending(port, count, model="default", timeout=5.0):
+    if not wait_until(lambda: queue_loads(port, model)[0] == count, timeout):
+        raise RuntimeError(f"pending_count never reached {count} ({queue_loads(port, model)})")
+
+
+def settle(waiting, known, timeout=5.0, quiet=0.4):
+    """Wait until at least one request not in `known` completed and no other completion followed
+    for `quiet` seconds (bounded by `timeout`); return the newly completed ones by time."""
+    deadline = time.monotonic() + timeout
+    last_change, seen = None, set(known)
+    while time.monotonic() < deadline:
+        now_done = {w.name for w in waiting if w.done()}
+        if now_done - seen:
+            seen, last_change = now_done, time.monotonic()
+        if last_change is not None and time.monotonic() - last_change >= quiet:
+            break
+        time.sleep(0.05)
+    new = [w for w in waiting if w.done() and w.name not in known]
+    return sorted(new, key=lambda w: w.done_at)
+
+
+def run_order(r, port, policy, name, requests, model="default"):
+    """Book a blocker (explicit, never queued), queue `requests` one at a time (each confirmed in
+    /loads pending_count before the next is sent, 0.3 s apart, so send order = enqueue order),
+    then release: prefill_complete the blocker, wait for the queue to settle, prefill_complete
+    the booking(s) just admitted, and so on until the queue is empty. Returns the `orders` item
+    (short request names); the queued requests become exchanges `{name}_queued_{short}` (booking
+    id `{name}-{short}`) in completion order."""
+    prefix = f"{name}_"
+    blk = f"{name}-blocker"
+    r.call(prefix + "book_blocker", "POST", "/reservations", {
+        "model_name": model, "selection_id": blk, "worker_id": 1,
+        "token_ids": list(range(90000, 90040)), "effective_prefill_tokens": 40},
+        note="explicit booking: 40 active prefill tokens > 0.5 x 64, the worker is busy")
+    waiting, sent, short = [], [], {}
+    t0 = time.monotonic()
+    for i, req in enumerate(requests):
+        body = {k: v for k, v in req.items() if k not in ("name", "route")}
+        body.setdefault("model_name", model)
+        route = req.get("route", "/select_and_reserve")
+        if route == "/select_and_reserve":
+            body["selection_id"] = f"{name}-{req['name']}"
+        w = Waiting(port, f"{prefix}queued_{req['name']}", "POST", route, body)
+        short[w.name] = req["name"]
+        waiting.append(w)
+        wait_pending(port, i + 1, model)
+        item = {"name": req["name"], "route": route,
+                "isl_tokens": body.get("isl_tokens", len(body.get("token_ids", []))),
+                "t_ms": round((time.monotonic() - t0) * 1000)}
+        for k in ("priority_jump", "strict_priority"):
+            if k in body:
+                item[k] = body[k]
+        sent.append(item)
+        time.sleep(0.3)
+    if any(w.done() for w in waiting):
+        raise RuntimeError(f"{name}: a request completed before the release")
+    r.call(prefix + "loads_all_queued", "GET", "/loads",
+           note=f"{len(requests)} requests queued behind the blocker")
+    pending = queue_loads(port, model)
+    steps, done_names, release = [], set(), [blk]
+    while len(done_names) < len(waiting) and len(steps) < len(requests) + 2:
+        t_rel = time.monotonic()
+        for rid in release:
+            r.call(f"{prefix}release_{len(steps) + 1}_prefill_complete_{rid.split('-')[-1]}",
+                   "POST", f"/reservations/{rid}/prefill_complete")
+        new = settle(waiting, done_names)
+        done_names |= {w.name for w in new}
+        after = queue_loads(port, model)
+        steps.append({"release": [f"prefill_complete {rid.split('-')[-1]}" for rid in release],
+                      "completed": [{"name": short[w.name], "status": w.status,
+                                     "worker_id": w.response.get("worker_id")
+                                     if isinstance(w.response, dict) else None,
+                                     "t_ms": round((w.done_at - t_rel) * 1000)} for w in new],
+                      "pending_count_after": after[0], "pending_isl_tokens_after": after[1]})
+        for w in new:
+            r.exchanges.append(w.entry(
+                f"queued ({policy}); completed {round((w.done_at - t_rel) * 1000)} ms after "
+                f"release {len(steps)}"))
+        release = [w.body["selection_id"] for w in new
+                   if w.path == "/select_and_reserve" and w.status == 200]
+        if (not new or not release) and len(done_names) < len(waiting):
+            raise RuntimeError(f"{name}: queue stalled: {steps}")
+    for w in waiting:
+        w.thread.join(5)
+    for rid in [blk] + [w.body["selection_id"] for w in waiting if "selection_id" in w.body]:
+        quiet_delete(port, f"/reservations/{rid}")
+    completed = [c["name"] for s in steps for c in s["completed"]]
+    return {"name": name, "policy": policy, "model_name": model, "sent": sent,
+            "pending_count": pending[0], "pending_isl_tokens": pending[1],
+            "steps": steps, "completed": completed}
+
+
+def queue_env_checks(port):
+    """Start the service with queue env values; when it starts, book 40 tokens on a 64-token
+    worker and send one /select_and_reserve with a 2 s client timeout: `queued` = it timed out."""
+    python = RUNTIME["python"]
+    cases = [
+        ("threshold_0_5", {"DYN_ROUTER_QUEUE_THRESHOLD": "0.5"}),
+        ("threshold_0", {"DYN_ROUTER_QUEUE_THRESHOLD": "0"}),
+        ("threshold_2", {"DYN_ROUTER_QUEUE_THRESHOLD": "2"}),
+        ("threshold_inf", {"DYN_ROUTER_QUEUE_THRESHOLD": "inf"}),
+        ("threshold_1e400", {"DYN_ROUTER_QUEUE_THRESHOLD": "1e400"}),
+        ("threshold_negative", {"DYN_ROUTER_QUEUE_THRESHOLD": "-1"}),
+        ("threshold_nan", {"DYN_ROUTER_QUEUE_THRESHOLD": "nan"}),
+        ("threshold_not_a_number", {"DYN_ROUTER_QUEUE_THRESHOLD": "abc"}),
+        ("threshold_leading_space", {"DYN_ROUTER_QUEUE_THRESHOLD": " 0.5"}),
+        ("threshold_empty", {"DYN_ROUTER_QUEUE_THRESHOLD": ""}),
+        ("policy_lcfs", {"DYN_ROUTER_QUEUE_THRESHOLD": "0.5", "DYN_ROUTER_QUEUE_POLICY": "lcfs"}),
+        ("policy_wspt", {"DYN_ROUTER_QUEUE_THRESHOLD": "0.5", "DYN_ROUTER_QUEUE_POLICY": "wspt"}),
+        ("policy_uppercase", {"DYN_ROUTER_QUEUE_THRESHOLD": "0.5", "DYN_ROUTER_QUEUE_POLICY": "LCFS"}),
+        ("policy_unknown", {"DYN_ROUTER_QUEUE_THRESHOLD": "0.5", "DYN_ROUTER_QUEUE_POLICY": "bogus"}),
+        ("policy_empty", {"DYN_ROUTER_QUEUE_THRESHOLD": "0.5", "DYN_ROUTER_QUEUE_POLICY": ""}),
+        ("policy_without_threshold", {"DYN_ROUTER_QUEUE_POLICY": "wspt"}),
+    ]
+    results = []
+    for name, env in cases:
+        proc = subprocess.Popen([python, "-m", "dynamo.select_service", "--port", str(port)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                env={**os.environ, "NO_COLOR": "1", **env})
+        started = False
+        deadline = time.time() + 30
+        while time.time() < deadline and proc.poll() is None:
+            started = http_raw(port, "GET", "/health", timeout=1)[0] == 200
+            if started:
+                break
+            time.sleep(0.2)
+        entry = {"name": name, "env": env, "started": started}
+        if started:
+            http_raw(port, "POST", "/workers", worker(1, 27000, max_num_batched_tokens=QUEUE_MNBT))
+            http_raw(port, "POST", "/reservations", {
+                "selection_id": "blk", "worker_id": 1, "token_ids": list(range(1000, 1040)),
+                "effective_prefill_tokens": 40})
+            st, _, _ = http_raw(port, "POST", "/select_and_reserve",
+                                {"selection_id": "probe", "token_ids": list(range(2000, 2040))},
+                                timeout=2)
+            entry["queued"] = st is None
+            proc.send_signal(signal.SIGINT)
+        try:
+            out, _ = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        if started:
+            entry["exit_code_after_sigint"] = proc.returncode
+        text = ANSI_RE.sub("", out.decode("utf-8", "replace"))
+        lines = text.splitlines()
+        entry["warnings"] = [l.split(": ", 1)[1] for l in lines
+                             if " WARN " in l and "scheduling::config" in l]
+        cls = [l.split("Router policy class configured", 1)[1].strip() for l in lines
+               if "Router policy class configured" in l]
+        if cls:
+            entry["policy_class_log"] = cls[0]
+        if not started:
+            entry["exit_code"] = proc.returncode
+            entry["exception"] = lines[-1] if lines else ""
+        results.append(entry)
+    return results
+
+
+def scenario_queue(r, port, zmq_base):
+    """Router queue (admission) with DYN_ROUTER_QUEUE_THRESHOLD=0.5 and DYN_ROUTER_QUEUE_POLICY
+    fcfs (this instance), lcfs and wspt (instances on port+1 / port+2). Extra lists: `orders`
+    (release order per policy), `events` (disconnects, long wait, shutdown), `env` (knobs)."""
+    orders, events = [], []
+    pub = FakeEnginePublisher(zmq_base + 20)
+    fresh = iter(range(100000, 10**9, 1000))
+
+    def toks(n):  # n tokens no other request shares
+        base = next(fresh)
+        return list(range(base, base + n))
+
+    def q(name, n, **extra):
+        return {"name": name, "token_ids": toks(n), **extra}
+
+    try:
+        # ------------------------------------------------------------ fcfs instance (this one)
+        r.call("upsert_worker_1", "POST", "/workers",
+               worker(1, zmq_base, max_num_batched_tokens=QUEUE_MNBT),
+               note=f"service env DYN_ROUTER_QUEUE_THRESHOLD={QUEUE_THRESHOLD} "
+                    "DYN_ROUTER_QUEUE_POLICY=fcfs: busy above 32 active prefill tokens")
+        r.call("loads_idle", "GET", "/loads")
+        orders.append(run_order(r, port, "fcfs", "fcfs_plain", [
+            q("a", 40), q("b", 60), q("c", 36), q("d", 50)]))
+        orders.append(run_order(r, port, "fcfs", "fcfs_priority_jump", [
+            q("a", 40), q("b", 40, priority_jump=0.1), q("c", 40, priority_jump=5.0),
+            q("d", 40, priority_jump=-5.0)]))
+        orders.append(run_order(r, port, "fcfs", "fcfs_strict_priority", [
+            q("a", 40), q("b", 40, strict_priority=1), q("c", 40, strict_priority=2),
+            q("d", 40, strict_priority=1, priority_jump=100.0), q("e", 40, strict_priority=0)]))
+        orders.append(run_order(r, port, "fcfs", "fcfs_select_and_drain", [
+            {"name": "a", "route": "/select", "token_ids": toks(40)}, q("b", 20), q("c", 20),
+            {"name": "d", "block_hashes": [], "sequence_hashes": [], "isl_tokens": 100}]))
+
+        # what queues while the worker is busy, what does not
+        r.call("busy_book_blocker", "POST", "/reservations", {
+            "selection_id": "busy-blk", "worker_id": 1, "token_ids": toks(40),
+            "effective_prefill_tokens": 40})
+        r.call("busy_select_advisory", "POST", "/select",
+               {"token_ids": toks(8), "advisory": True},
+               note="advisory: answered at once while the worker is busy (not queued)")
+        r.call("busy_explicit_reservation", "POST", "/reservations", {
+            "selection_id": "busy-ex", "worker_id": 1, "token_ids": toks(8),
+            "effective_prefill_tokens": 8}, note="explicit bookings are never queued")
+        quiet_delete(port, "/reservations/busy-ex")
+        r.call("busy_overlap_scores", "POST", "/overlap_scores", {"token_ids": toks(8)})
+        r.call("busy_potential_loads", "POST", "/potential_loads", {"token_ids": toks(8)})
+        quiet_delete(port, "/reservations/busy-blk")
+        sel_tokens = toks(36)
+        r.call("idle_select_with_selection_id", "POST", "/select",
+               {"token_ids": sel_tokens, "selection_id": "cached-1"})
+        r.call("busy_book_blocker_2", "POST", "/reservations", {
+            "selection_id": "busy-blk", "worker_id": 1, "token_ids": toks(40),
+            "effective_prefill_tokens": 40})
+        r.call("busy_replay_cached_select", "POST", "/reservations", {"selection_id": "cached-1"},
+               note="replaying a /select made while idle: booked at once (not queued)")
+        quiet_delete(port, "/reservations/cached-1")
+        w_dup = Waiting(port, "busy_queued_dup", "POST", "/select_and_reserve",
+                        {"token_ids": toks(40), "selection_id": "dup-1"})
+        wait_pending(port, 1)
+        r.call("busy_select_and_reserve_same_id_while_queued", "POST", "/select_and_reserve",
+               {"token_ids": toks(40), "selection_id": "dup-1"},
+               note="the queued request holds the id: 409 at once")
+        r.call("busy_explicit_reservation_same_id_while_queued", "POST", "/reservations", {
+            "selection_id": "dup-1", "worker_id": 1, "token_ids": toks(8)})
+        r.call("busy_loads_one_queued", "GET", "/loads")
+        r.call("busy_release_delete_blocker", "DELETE", "/reservations/busy-blk",
+               note="DELETE releases the queue like prefill_complete")
+        w_dup.thread.join(5)
+        r.exchanges.append(w_dup.entry("queued; released by DELETE of the blocker"))
+        quiet_delete(port, "/reservations/dup-1")
+
+        # threshold boundary: busy means active > F x max_num_batched_tokens (strictly)
+        r.call("edge_book_32", "POST", "/reservations", {
+            "selection_id": "edge-32", "worker_id": 1, "token_ids": toks(32),
+            "effective_prefill_tokens": 32})
+        r.call("edge_select_and_reserve_at_32", "POST", "/select_and_reserve",
+               {"token_ids": toks(1), "selection_id": "edge-1"},
+               note="32 active = 0.5 x 64 is not busy: admitted at once, now 33")
+        w_edge = Waiting(port, "edge_select_and_reserve_at_33", "POST", "/select_and_reserve",
+                         {"token_ids": toks(1), "selection_id": "edge-2"})
+        wait_pending(port, 1)
+        r.call("edge_loads_at_33", "GET", "/loads", note="33 active > 32: queued")
+        r.call("edge_prefill_complete_edge_1", "POST", "/reservations/edge-1/prefill_complete",
+               note="back to 32: the queued request is admitted")
+        w_edge.thread.join(5)
+        r.exchanges.append(w_edge.entry("queued at 33 active; admitted at 32"))
+        for rid in ("edge-32", "edge-1", "edge-2"):
+            quiet_delete(port, f"/reservations/{rid}")
+
+        # client disconnects and a long wait
+        r.call("disc_book_blocker", "POST", "/reservations", {
+            "selection_id": "disc-blk", "worker_id": 1, "token_ids": toks(40),
+            "effective_prefill_tokens": 40})
+        sock = raw_http_open(port, "/select_and_reserve", {"token_ids": toks(12), "selection_id": "disc-1"})
+        wait_pending(port, 1)
+        before = queue_loads(port)
+        sock.close()
+        time.sleep(0.5)
+        after = queue_loads(port)
+        events.append({"name": "disconnect_select_and_reserve", "route": "/select_and_reserve",
+                       "isl_tokens": 12, "pending_while_connected": before[:2],
+                       "pending_0_5s_after_close": after[:2]})
+        r.call("disc_loads_after_select_and_reserve_disconnect", "GET", "/loads",
+               note="the closed /select_and_reserve left the queue at once")
+        sock = raw_http_open(port, "/select", {"token_ids": toks(8)})
+        wait_pending(port, 1)
+        before = queue_loads(port)
+        sock.close()
+        time.sleep(0.5)
+        after = queue_loads(port)
+        time.sleep(2.5)
+        later = queue_loads(port)
+        events.append({"name": "disconnect_select", "route": "/select", "isl_tokens": 8,
+                       "pending_while_connected": before[:2], "pending_0_5s_after_close": after[:2],
+                       "pending_3s_after_close": later[:2]})
+        r.call("disc_loads_after_select_disconnect", "GET", "/loads",
+               note="the closed /select is still counted (pending_count 1, pending_isl_tokens 8)")
+        w_long = Waiting(port, "disc_reuse_id_after_disconnect", "POST", "/select_and_reserve",
+                         {"token_ids": toks(12), "selection_id": "disc-1"}, timeout=40)
+        wait_pending(port, 2)
+        long_wait = 12
+        time.sleep(long_wait)
+        events.append({"name": "long_wait", "route": "/select_and_reserve", "waited_s": long_wait,
+                       "completed": w_long.done(), "pending": list(queue_loads(port)[:2]),
+                       "note": "no queue timeout: still waiting (an exploratory run waited 65 s)"})
+        r.call("disc_loads_after_long_wait", "GET", "/loads",
+               note=f"after {long_wait} s: the reused id is still queued, the dead /select too")
+        r.call("disc_release", "POST", "/reservations/disc-blk/prefill_complete")
+        w_long.thread.join(5)
+        r.exchanges.append(w_long.entry(
+            f"id disc-1 reusable once its client disconnected; waited {long_wait} s"))
+        time.sleep(0.3)
+        r.call("disc_loads_after_release", "GET", "/loads",
+               note="the dead /select left the queue when it was popped")
+        r.call("disc_free_reused", "DELETE", "/reservations/disc-1")
+        quiet_delete(port, "/reservations/disc-blk")
+
+        # bad field types
+        for fname, val in [("priority_jump", "1"), ("priority_jump", [1]), ("priority_jump", None),
+                           ("priority_jump", -1), ("priority_jump", 1e308),
+                           ("strict_priority", -1), ("strict_priority", 1.5),
+                           ("strict_priority", "1"), ("strict_priority", True),
+                           ("strict_priority", 4294967295), ("strict_priority", 4294967296),
+                           ("strict_priority", None)]:
+            tag = {str: "string", list: "list", type(None): "null", bool: "bool"}.get(
+                type(val), str(val).replace("-", "minus_").replace(".", "_").replace("+", ""))
+            r.call(f"type_{fname}_{tag}", "POST", "/select_and_reserve",
+                   {"token_ids": toks(4), "selection_id": f"type-{fname}-{tag}", fname: val})
+            quiet_delete(port, f"/reservations/type-{fname}-{tag}")
+        r.call("type_select_priority_jump_string", "POST", "/select",
+               {"token_ids": toks(4), "priority_jump": "high"})
+
+        # several workers: which workers must be busy
+        mm = "m-multi"
+        r.call("multi_upsert_worker_11", "POST", "/workers",
+               worker(11, zmq_base + 1, model_name=mm, max_num_batched_tokens=QUEUE_MNBT))
+        r.call("multi_upsert_worker_12", "POST", "/workers",
+               worker(12, zmq_base + 2, model_name=mm, max_num_batched_tokens=QUEUE_MNBT))
+        r.call("multi_book_11", "POST", "/reservations", {
+            "model_name": mm, "selection_id": "mb-11", "worker_id": 11, "token_ids": toks(40),
+            "effective_prefill_tokens": 40})
+        r.call("multi_select_and_reserve_one_busy", "POST", "/select_and_reserve",
+               {"model_name": mm, "token_ids": toks(8), "selection_id": "mm-free"},
+               note="worker 12 is not busy: no queueing")
+        w_pin = Waiting(port, "multi_pinned_to_busy_11", "POST", "/select_and_reserve", {
+            "model_name": mm, "token_ids": toks(40), "selection_id": "mm-pin",
+            "pinned_worker": {"worker_id": 11, "dp_rank": 0}})
+        wait_pending(port, 1, mm)
+        w_allowed = Waiting(port, "multi_allowed_only_busy_11", "POST", "/select_and_reserve", {
+            "model_name": mm, "token_ids": toks(36), "selection_id": "mm-allowed",
+            "allowed_worker_ids": [11]})
+        wait_pending(port, 2, mm)
+        r.call("multi_unpinned_while_pinned_queued", "POST", "/select_and_reserve",
+               {"model_name": mm, "token_ids": toks(8), "selection_id": "mm-free-2"},
+               note="requests queued for worker 11 do not hold back one that worker 12 can take")
+        r.call("multi_loads_two_queued", "GET", f"/loads?model_name={mm}")
+        r.call("multi_loads_default_partition", "GET", "/loads?model_name=default",
+               note="queues are per partition")
+        r.call("multi_prefill_complete_on_12", "POST", "/reservations/mm-free/prefill_complete",
+               note="capacity freed on worker 12 does not release requests restricted to 11")
+        time.sleep(0.5)
+        r.call("multi_loads_after_release_on_12", "GET", f"/loads?model_name={mm}")
+        r.call("multi_prefill_complete_on_11", "POST", "/reservations/mb-11/prefill_complete")
+        w_pin.thread.join(5)
+        r.exchanges.append(w_pin.entry("queued (pinned to busy worker 11); released by its "
+                                       "prefill_complete"))
+        time.sleep(0.5)
+        r.call("multi_loads_after_first_release_on_11", "GET", f"/loads?model_name={mm}",
+               note="the admitted pinned request made 11 busy again")
+        r.call("multi_prefill_complete_pinned", "POST", "/reservations/mm-pin/prefill_complete")
+        w_allowed.thread.join(5)
+        r.exchanges.append(w_allowed.entry("queued (allowed_worker_ids [11])"))
+        for rid in ("mb-11", "mm-free", "mm-free-2", "mm-pin", "mm-allowed"):
+            quiet_delete(port, f"/reservations/{rid}")
+
+        # worker catalog changes drain (or fail) the queue
+        r.call("multi_book_11_again", "POST", "/reservations", {
+            "model_name": mm, "selection_id": "mb-11b", "worker_id": 11, "token_ids": toks(40),
+            "effective_prefill_tokens": 40})
+        r.call("multi_book_12_again", "POST", "/reservations", {
+            "model_name": mm, "selection_id": "mb-12b", "worker_id": 12, "token_ids": toks(40),
+            "effective_prefill_tokens": 40})
+        w_add = Waiting(port, "catalog_queued_then_worker_added", "POST", "/select_and_reserve",
+                        {"model_name": mm, "token_ids": toks(40), "selection_id": "cat-add"})
+        wait_pending(port, 1, mm)
+        r.call("catalog_upsert_worker_13", "POST", "/workers",
+               worker(13, zmq_base + 3, model_name=mm, max_num_batched_tokens=QUEUE_MNBT),
+               note="a new idle worker releases the queue")
+        w_add.thread.join(5)
+        r.exchanges.append(w_add.entry("queued; admitted when worker 13 was added"))
+        w_patch = Waiting(port, "catalog_queued_then_patch", "POST", "/select_and_reserve",
+                          {"model_name": mm, "token_ids": toks(40), "selection_id": "cat-patch"})
+        wait_pending(port, 1, mm)
+        r.call("catalog_patch_worker_11_capacity", "PATCH", "/workers/11",
+               {"max_num_batched_tokens": 1000}, note="40 active of 0.5 x 1000: no longer busy")
+        w_patch.thread.join(5)
+        r.exchanges.append(w_patch.entry("queued; admitted when worker 11's capacity grew"))
+        r.call("catalog_patch_worker_11_back", "PATCH", "/workers/11",
+               {"max_num_batched_tokens": QUEUE_MNBT})
+        r.call("catalog_loads_all_busy", "GET", f"/loads?model_name={mm}")
+        w_del1 = Waiting(port, "catalog_queued_select_and_reserve_then_worker_deleted", "POST",
+                         "/select_and_reserve", {"model_name": mm, "token_ids": toks(40),
+                                                 "selection_id": "cat-del",
+                                                 "allowed_worker_ids": [11]})
+        wait_pending(port, 1, mm)
+        w_del2 = Waiting(port, "catalog_queued_select_then_worker_deleted", "POST", "/select",
+                         {"model_name": mm, "token_ids": toks(40), "allowed_worker_ids": [11]})
+        wait_pending(port, 2, mm)
+        r.call("catalog_delete_worker_11", "DELETE", "/workers/11")
+        for w in (w_del1, w_del2):
+            w.thread.join(5)
+            r.exchanges.append(w.entry("queued for worker 11 only; worker 11 deleted"))
+        r.call("catalog_loads_after_delete", "GET", f"/loads?model_name={mm}")
+
+        # with queueing enabled a worker needs max_num_batched_tokens
+        mn = "m-nocap"
+        r.call("nocap_upsert_worker_22_without_max_num_batched_tokens", "POST", "/workers",
+               worker(22, zmq_base + 5, model_name=mn),
+               note="incomplete while queueing is enabled (schedulable without the env)")
+        r.call("nocap_select", "POST", "/select", {"model_name": mn, "token_ids": toks(4)})
+        r.call("nocap_patch_max_num_batched_tokens_null", "PATCH", "/workers/22",
+               {"max_num_batched_tokens": None})
+        r.call("nocap_patch_max_num_batched_tokens", "PATCH", "/workers/22",
+               {"max_num_batched_tokens": QUEUE_MNBT})
+        r.call("nocap_upsert_worker_23_max_num_batched_tokens_0", "POST", "/workers",
+               worker(23, zmq_base + 6, model_name="m-zero", max_num_batched_tokens=0))
+        r.call("zero_select_and_reserve_idle", "POST", "/select_and_reserve",
+               {"model_name": "m-zero", "token_ids": toks(4), "selection_id": "z-1"},
+               note="0 active is not > 0.5 x 0: admitted")
+        w_zero = Waiting(port, "zero_select_and_reserve_busy", "POST", "/select_and_reserve",
+                         {"model_name": "m-zero", "token_ids": toks(4), "selection_id": "z-2"})
+        wait_pending(port, 1, "m-zero")
+        r.call("zero_loads", "GET", "/loads?model_name=m-zero",
+               note="4 active > 0: any active prefill makes a 0-capacity worker busy")
+        r.call("zero_prefill_complete", "POST", "/reservations/z-1/prefill_complete")
+        w_zero.thread.join(5)
+        r.exchanges.append(w_zero.entry("queued behind 4 active prefill tokens on a 0-capacity worker"))
+
+        # ------------------------------------------------------------ lcfs instance
+        for policy, offset in (("lcfs", 1), ("wspt", 2)):
+            p2 = port + offset
+            svc = Service(RUNTIME["python"], p2, RUNTIME["log"], extra_env={
+                "DYN_ROUTER_QUEUE_THRESHOLD": QUEUE_THRESHOLD, "DYN_ROUTER_QUEUE_POLICY": policy})
+            r2 = Recorder(p2)
+            try:
+                pre = f"{policy}_"
+                r2.call(pre + "upsert_worker_1", "POST", "/workers",
+                        worker(1, zmq_base + 20 if policy == "wspt" else zmq_base + 10 + offset,
+                               max_num_batched_tokens=QUEUE_MNBT),
+                        note=f"instance with DYN_ROUTER_QUEUE_THRESHOLD={QUEUE_THRESHOLD} "
+                             f"DYN_ROUTER_QUEUE_POLICY={policy}")
+                if policy == "lcfs":
+                    orders.append(run_order(r2, p2, "lcfs", "lcfs_plain", [
+                        q("a", 40), q("b", 60), q("c", 36), q("d", 50)]))
+                    orders.append(run_order(r2, p2, "lcfs", "lcfs_priority_jump", [
+                        q("a", 40, priority_jump=5.0), q("b", 40), q("c", 40),
+                        q("d", 40, priority_jump=-100.0)]))
+                    orders.append(run_order(r2, p2, "lcfs", "lcfs_strict_priority", [
+                        q("a", 40, strict_priority=3), q("b", 40), q("c", 40, strict_priority=3),
+                        q("d", 40)]))
+                    # shutdown (SIGINT) with requests in the queue
+                    r2.call(pre + "shutdown_book_blocker", "POST", "/reservations", {
+                        "selection_id": "sd-blk", "worker_id": 1, "token_ids": toks(40),
+                        "effective_prefill_tokens": 40})
+                    w1 = Waiting(p2, pre + "shutdown_queued_select_and_reserve", "POST",
+                                 "/select_and_reserve", {"token_ids": toks(40), "selection_id": "sd-1"})
+                    wait_pending(p2, 1)
+                    w2 = Waiting(p2, pre + "shutdown_queued_select", "POST", "/select",
+                                 {"token_ids": toks(40)})
+                    wait_pending(p2, 2)
+                    t_sig = time.monotonic()
+                    svc.proc.send_signal(signal.SIGINT)
+                    for w in (w1, w2):
+                        w.thread.join(10)
+                    try:
+                        code = svc.proc.wait(15)
+                    except subprocess.TimeoutExpired:
+                        code = "did not exit in 15 s"
+                    events.append({"name": "sigint_with_queued_requests", "policy": policy,
+                                   "responses_ms": [round((w.done_at - t_sig) * 1000)
+                                                    for w in (w1, w2) if w.done_at],
+                                   "exit_code": code})
+                    for w in (w1, w2):
+                        r2.exchanges.append(w.entry("queued; service got SIGINT"))
+                else:
+                    orders.append(run_order(r2, p2, "wspt", "wspt_plain", [
+                        q("a", 60), q("b", 40), q("c", 50), q("d", 36)]))
+                    orders.append(run_order(r2, p2, "wspt", "wspt_ties", [
+                        q("a", 40), q("b", 40), q("c", 40)]))
+                    orders.append(run_order(r2, p2, "wspt", "wspt_priority_jump", [
+                        q("a", 60, priority_jump=1.0), q("b", 40), q("c", 36)]))
+                    orders.append(run_order(r2, p2, "wspt", "wspt_strict_priority", [
+                        q("a", 36), q("b", 60, strict_priority=1), q("c", 40)]))
+                    # cached tokens: cost is isl minus the best cached prefix
+                    assert pub.wait_subscribed()
+                    prefix_tokens = toks(32)
+                    seed_events(pub, prefix_tokens, list(range(7001, 7009)))
+                    wait_overlap(p2, prefix_tokens, 1, 8)
+                    r2.call(pre + "overlap_prefix", "POST", "/overlap_scores",
+                            {"token_ids": prefix_tokens},
+                            note="worker 1 holds a 32-token prefix P (8 blocks)")
+                    item = run_order(r2, p2, "wspt", "wspt_cached_tokens", [
+                        {"name": "a", "token_ids": prefix_tokens + toks(40)},
+                        q("b", 44)])
+                    item["sent"][0]["cached_tokens"] = 32
+                    item["note"] = ("a = P + 40 new tokens (isl 72, 32 cached, cost 40); "
+                                    "b = 44 new tokens (cost 44)")
+                    orders.append(item)
+                    # SIGTERM with a request in the queue
+                    r2.call(pre + "sigterm_book_blocker", "POST", "/reservations", {
+                        "selection_id": "st-blk", "worker_id": 1, "token_ids": toks(40),
+                        "effective_prefill_tokens": 40})
+                    w1 = Waiting(p2, pre + "sigterm_queued_select_and_reserve", "POST",
+                                 "/select_and_reserve", {"token_ids": toks(40), "selection_id": "st-1"})
+                    wait_pending(p2, 1)
+                    t_sig = time.monotonic()
+                    svc.proc.send_signal(signal.SIGTERM)
+                    w1.thread.join(10)
+                    try:
+                        code = svc.proc.wait(15)
+                    except subprocess.TimeoutExpired:
+                        code = "did not exit in 15 s"
+                    events.append({"name": "sigterm_with_queued_request", "policy": policy,
+                                   "client_result": w1.response if w1.status is None else
+                                   {"status": w1.status, "response": w1.response},
+                                   "response_ms": round((w1.done_at - t_sig) * 1000)
+                                   if w1.done_at else None,
+                                   "exit_code": code})
+            finally:
+                svc.stop()
+            r.exchanges.extend(r2.exchanges)
+
+        return {"env": queue_env_checks(port + 3), "orders": orders, "events": events}
+    finally:
+        pub.close()
+
+
 def write_doc(path, doc, list_key):
     """Compact but diffable: header fields first, then one list item per line. `list_key` is
     the name of the list written last, or a tuple of such names (written in that order)."""
@@ -1355,12 +1956,14 @@ SCENARIOS = {
     "sessions": scenario_sessions,
     "constraints": scenario_constraints,
     "multimodal": scenario_multimodal,
+    "queue": scenario_queue,
 }
 
 # Extra environment per scenario: busy thresholds are DYN_* settings, not flags.
 SERVICE_ENV = {
     "sessions": {"DYN_ROUTER_CONDITIONAL_DISAGG_DECODE_BUSY_THRESHOLD": "0.5",
                  "DYN_ROUTER_CONDITIONAL_DISAGG_PREFILL_BUSY_THRESHOLD": "0.5"},
+    "queue": {"DYN_ROUTER_QUEUE_THRESHOLD": QUEUE_THRESHOLD, "DYN_ROUTER_QUEUE_POLICY": "fcfs"},
 }
 
 # Extra service flags per scenario (default: none).

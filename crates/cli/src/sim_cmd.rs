@@ -10,7 +10,7 @@ use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kvroute_core::selector::PredictConfig;
 use kvroute_sim::engine::DEFAULT_KV_BLOCKS;
 use kvroute_sim::policy::{SelectorPolicy, kvroute_policy};
-use kvroute_sim::sim::{DEFAULT_EVENT_DELAY, DEFAULT_SYNC_DELAY};
+use kvroute_sim::sim::{DEFAULT_EVENT_DELAY, DEFAULT_SYNC_DELAY, DEFAULT_TTFT_TARGET, SimQueue};
 use kvroute_sim::workload::{
     AgenticSpec, agentic_workload, mooncake_workload, parse_mooncake, synthetic_workload,
 };
@@ -94,6 +94,25 @@ pub struct SimArgs {
     /// Whether selector-backed router replicas prefer their own share of near-equal ranks.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub replica_spread: bool,
+    /// Router-side queue (issue 31): requests wait in the router while every worker's routed,
+    /// not yet prefilled prompt tokens exceed this × --max-num-batched-tokens (off by default).
+    #[arg(long, allow_hyphen_values = true)]
+    pub queue_threshold: Option<f64>,
+    /// Order of the queue: fcfs, lcfs or wspt (shortest prompt first, with aging).
+    #[arg(long, default_value = "fcfs")]
+    pub queue_policy: String,
+    /// At most this many requests wait; more are shed.
+    #[arg(long, default_value_t = 10_000)]
+    pub queue_max_requests: usize,
+    /// A request waits at most this long, ms, then is shed (default: no limit).
+    #[arg(long, allow_hyphen_values = true)]
+    pub queue_timeout_ms: Option<f64>,
+    /// A request counts toward goodput when its TTFT is at most this, ms.
+    #[arg(long, default_value_t = DEFAULT_TTFT_TARGET.as_secs_f64() * 1e3)]
+    pub ttft_target_ms: f64,
+    /// Keep only the requests of this tenant (agentic workload), e.g. to see what it gets alone.
+    #[arg(long)]
+    pub only_tenant: Option<u32>,
     /// Token budget of one engine step.
     #[arg(long, default_value_t = 8192)]
     pub max_num_batched_tokens: u64,
@@ -208,6 +227,36 @@ pub fn sim_config(args: &SimArgs) -> Result<SimConfig, String> {
         router_replicas: args.router_replicas,
         sync_delay: Duration::from_secs_f64(args.sync_delay_ms / 1e3),
         replica_spread: args.replica_spread,
+        queue: match args.queue_threshold {
+            None => None,
+            Some(threshold) => Some(SimQueue {
+                threshold,
+                policy: args
+                    .queue_policy
+                    .parse()
+                    .map_err(|e| format!("invalid --queue-policy: {e}"))?,
+                max_requests: args.queue_max_requests,
+                timeout: match args.queue_timeout_ms {
+                    None => None,
+                    Some(ms) if ms.is_finite() && ms > 0.0 => {
+                        Some(Duration::from_secs_f64(ms / 1e3))
+                    }
+                    Some(ms) => {
+                        return Err(format!(
+                            "invalid --queue-timeout-ms: must be a positive number, got {ms}"
+                        ));
+                    }
+                },
+            }),
+        },
+        ttft_target: if args.ttft_target_ms.is_finite() && args.ttft_target_ms > 0.0 {
+            Duration::from_secs_f64(args.ttft_target_ms / 1e3)
+        } else {
+            return Err(format!(
+                "invalid --ttft-target-ms: must be a positive number, got {}",
+                args.ttft_target_ms
+            ));
+        },
     };
     config.validate().map_err(|e| e.to_string())?;
     Ok(config)
@@ -215,6 +264,20 @@ pub fn sim_config(args: &SimArgs) -> Result<SimConfig, String> {
 
 /// Reads or generates the workload the flags describe.
 pub fn load_workload(args: &SimArgs) -> Result<Workload, String> {
+    let mut workload = build_workload(args)?;
+    if let Some(tenant) = args.only_tenant {
+        workload.requests.retain(|r| r.tenant == Some(tenant));
+        if workload.requests.is_empty() {
+            return Err(format!(
+                "invalid --only-tenant: no request of tenant {tenant} in the workload"
+            ));
+        }
+        workload.name = format!("{} (tenant {tenant} only)", workload.name);
+    }
+    Ok(workload)
+}
+
+fn build_workload(args: &SimArgs) -> Result<Workload, String> {
     let arrival = ArrivalOptions {
         speedup: args.arrival_speedup,
         rate_rps: args.rate,
@@ -486,6 +549,31 @@ mod tests {
                 .event_delay,
             Duration::ZERO
         );
+        // Issue 31: the router queue is off unless a threshold is given.
+        assert_eq!(sim_config(&args(&[])).unwrap().queue, None);
+        let q = sim_config(&args(&[
+            "--queue-threshold",
+            "1.5",
+            "--queue-policy",
+            "wspt",
+            "--queue-timeout-ms",
+            "250",
+            "--queue-max-requests",
+            "7",
+            "--ttft-target-ms",
+            "500",
+        ]))
+        .unwrap();
+        assert_eq!(
+            q.queue,
+            Some(SimQueue {
+                threshold: 1.5,
+                policy: kvroute_core::admission::QueuePolicy::Wspt,
+                max_requests: 7,
+                timeout: Some(Duration::from_millis(250)),
+            })
+        );
+        assert_eq!(q.ttft_target, Duration::from_millis(500));
         for (bad, knob) in [
             (vec!["--kv-blocks", "lots"], "--kv-blocks"),
             (vec!["--kv-blocks", "0"], "--kv-blocks"),
@@ -496,6 +584,17 @@ mod tests {
                 "--decode-coefficients",
             ),
             (vec!["--event-delay-ms", "-3"], "--event-delay-ms"),
+            (vec!["--queue-threshold", "-1"], "--queue-threshold"),
+            (
+                vec!["--queue-threshold", "1", "--queue-policy", "sjf"],
+                "--queue-policy",
+            ),
+            (
+                vec!["--queue-threshold", "1", "--queue-timeout-ms", "0"],
+                "--queue-timeout-ms",
+            ),
+            (vec!["--ttft-target-ms", "0"], "--ttft-target-ms"),
+            (vec!["--router-replicas", "0"], "--router-replicas"),
         ] {
             let err = sim_config(&args(&bad)).unwrap_err();
             assert!(err.contains(knob), "{err}");
@@ -604,5 +703,31 @@ mod tests {
         );
         let err = load_workload(&args(&["--synthetic", "agentic:bogus=1"])).unwrap_err();
         assert!(err.contains("bogus"), "{err}");
+        // Issue 31: tenant 0 gets `tenant-skew` times the others' sessions; --only-tenant keeps
+        // one tenant's requests, at the same arrival times.
+        let shape = [
+            "--synthetic",
+            "agentic:tenants=2,tenant-skew=4,sessions=200",
+        ];
+        let both = load_workload(&args(&shape)).unwrap();
+        let count = |t| both.requests.iter().filter(|r| r.tenant == Some(t)).count();
+        assert!(count(0) > 3 * count(1), "{} vs {}", count(0), count(1));
+        let only = load_workload(&args(&[shape[0], shape[1], "--only-tenant", "1"])).unwrap();
+        assert_eq!(only.requests.len(), count(1));
+        let arrivals: Vec<_> = both
+            .requests
+            .iter()
+            .filter(|r| r.tenant == Some(1))
+            .map(|r| r.arrival_nanos)
+            .collect();
+        assert_eq!(
+            only.requests
+                .iter()
+                .map(|r| r.arrival_nanos)
+                .collect::<Vec<_>>(),
+            arrivals
+        );
+        let err = load_workload(&args(&[shape[0], shape[1], "--only-tenant", "9"])).unwrap_err();
+        assert!(err.contains("--only-tenant"), "{err}");
     }
 }

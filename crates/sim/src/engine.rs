@@ -508,6 +508,7 @@ mod tests {
         SimRequest {
             arrival_nanos: 0,
             session_id: None,
+            tenant: None,
             prompt: PromptHashes::from_tokens(tokens, 4, BASE_SEED),
             output_tokens: output,
         }

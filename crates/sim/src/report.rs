@@ -28,11 +28,12 @@
 
 use crate::SimError;
 use crate::policy::OverlapTotals;
-use crate::sim::{PolicyRun, SimConfig};
+use crate::sim::{DEFAULT_TTFT_TARGET, PolicyRun, RequestOutcome, Shed, SimConfig};
 use crate::workload::Workload;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use serde::Serialize;
+use std::time::Duration;
 
 /// Latency summary, milliseconds.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Default)]
@@ -82,6 +83,116 @@ pub struct PolicyReport {
     pub evicted_blocks: u64,
     /// Events the router's index could not apply (a simulator bug when non-zero).
     pub index_parent_not_found: u64,
+    /// The router-side queue (issue 31): requests dropped because it was full...
+    pub shed_queue_full: u64,
+    /// ...or because they waited too long...
+    pub shed_timed_out: u64,
+    /// ...and the wait of the routed ones, ms (0 for those routed at arrival).
+    pub queue_wait_ms: LatencyStats,
+    /// Requests (of all that fit an engine) whose TTFT met the target, and their share.
+    pub goodput_requests: u64,
+    pub goodput_share: f64,
+    /// Per tenant, when the workload has more than one.
+    pub tenants: Vec<TenantReport>,
+    /// Jain's fairness index of the tenants' goodput shares (1: equal), `null` for one tenant.
+    pub tenant_fairness: Option<f64>,
+}
+
+/// The queue's settings as the report states them.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct QueueSettings {
+    pub threshold: f64,
+    pub policy: String,
+    pub max_requests: usize,
+    pub timeout_ms: Option<f64>,
+}
+
+/// One tenant's figures.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TenantReport {
+    pub tenant: String,
+    pub requests: u64,
+    pub goodput_share: f64,
+    pub ttft_ms: LatencyStats,
+    /// The router-side queue's wait of its routed requests.
+    pub queue_wait_ms: LatencyStats,
+    pub shed: u64,
+}
+
+/// Jain's fairness index of `values`: (Σx)² ÷ (n·Σx²), 1 when all are equal (or all 0).
+pub fn jain_index(values: &[f64]) -> f64 {
+    let sum: f64 = values.iter().sum();
+    let squares: f64 = values.iter().map(|x| x * x).sum();
+    if squares == 0.0 {
+        1.0
+    } else {
+        round(sum * sum / (values.len() as f64 * squares), 6)
+    }
+}
+
+/// Goodput, per-tenant figures and queue waits of a run (`target`: the TTFT that counts).
+fn queue_figures(run: &PolicyRun, target: Duration) -> (u64, f64, Vec<TenantReport>, Option<f64>) {
+    let target_nanos = u64::try_from(target.as_nanos()).unwrap_or(u64::MAX);
+    let good = |r: &RequestOutcome| {
+        r.first_token
+            .is_some_and(|f| f.saturating_sub(r.arrival) <= target_nanos)
+    };
+    let eligible: Vec<&RequestOutcome> = run.requests.iter().filter(|r| !r.rejected).collect();
+    let good_count = eligible.iter().filter(|r| good(r)).count() as u64;
+    let share = |good: u64, n: usize| {
+        if n == 0 {
+            0.0
+        } else {
+            round(good as f64 / n as f64, 6)
+        }
+    };
+    let mut by_tenant: std::collections::BTreeMap<String, Vec<&RequestOutcome>> =
+        std::collections::BTreeMap::new();
+    for r in &eligible {
+        by_tenant
+            .entry(crate::sim::tenant_name(r.tenant))
+            .or_default()
+            .push(r);
+    }
+    let tenants: Vec<TenantReport> = if by_tenant.len() > 1 {
+        by_tenant
+            .into_iter()
+            .map(|(tenant, rs)| {
+                let mut ttfts: Vec<f64> = rs
+                    .iter()
+                    .filter_map(|r| {
+                        r.first_token
+                            .map(|f| f.saturating_sub(r.arrival) as f64 / 1e6)
+                    })
+                    .collect();
+                ttfts.sort_by(f64::total_cmp);
+                let mut waits: Vec<f64> = rs
+                    .iter()
+                    .filter(|r| r.worker.is_some())
+                    .map(|r| r.queued as f64 / 1e6)
+                    .collect();
+                waits.sort_by(f64::total_cmp);
+                TenantReport {
+                    queue_wait_ms: stats(waits),
+                    requests: rs.len() as u64,
+                    goodput_share: share(rs.iter().filter(|r| good(r)).count() as u64, rs.len()),
+                    ttft_ms: stats(ttfts),
+                    shed: rs.iter().filter(|r| r.shed.is_some()).count() as u64,
+                    tenant,
+                }
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let fairness = (!tenants.is_empty())
+        .then(|| jain_index(&tenants.iter().map(|t| t.goodput_share).collect::<Vec<_>>()));
+    (
+        good_count,
+        share(good_count, eligible.len()),
+        tenants,
+        fairness,
+    )
 }
 
 /// A policy that was asked for but cannot run, and why.
@@ -107,6 +218,10 @@ pub struct Report {
     pub router_replicas: usize,
     pub sync_delay_ms: f64,
     pub seed: u64,
+    /// The router-side queue, when on (issue 31).
+    pub queue: Option<QueueSettings>,
+    /// The TTFT a request must meet to count toward goodput.
+    pub ttft_target_ms: f64,
     /// A lower bound of every policy's TTFT ([`ideal_ttft`])...
     pub ideal_ttft_ms: LatencyStats,
     /// ...and the hit rate of its cache, which no policy's exceeds by more than the cache an
@@ -260,8 +375,22 @@ pub fn ideal_ttft(workload: &Workload, config: &SimConfig) -> (Vec<f64>, f64) {
     (out, hit_rate)
 }
 
-/// Summarises one run.
+/// Summarises one run, goodput against [`DEFAULT_TTFT_TARGET`].
 pub fn summarize(run: &PolicyRun) -> PolicyReport {
+    summarize_with(run, DEFAULT_TTFT_TARGET)
+}
+
+/// Summarises one run; a request counts toward goodput when its TTFT is at most `ttft_target`.
+pub fn summarize_with(run: &PolicyRun, ttft_target: Duration) -> PolicyReport {
+    let (goodput_requests, goodput_share, tenants, tenant_fairness) =
+        queue_figures(run, ttft_target);
+    let mut waits: Vec<f64> = run
+        .requests
+        .iter()
+        .filter(|r| r.worker.is_some())
+        .map(|r| r.queued as f64 / 1e6)
+        .collect();
+    waits.sort_by(f64::total_cmp);
     let completed: Vec<_> = run
         .requests
         .iter()
@@ -326,7 +455,18 @@ pub fn summarize(run: &PolicyRun) -> PolicyReport {
         prompt_tokens,
         evicted_blocks: run.engines.iter().map(|e| e.pool.evicted_blocks).sum(),
         index_parent_not_found: run.router.parent_block_not_found,
+        shed_queue_full: count_shed(run, Shed::QueueFull),
+        shed_timed_out: count_shed(run, Shed::TimedOut),
+        queue_wait_ms: stats(waits),
+        goodput_requests,
+        goodput_share,
+        tenants,
+        tenant_fairness,
     }
+}
+
+fn count_shed(run: &PolicyRun, why: Shed) -> u64 {
+    run.requests.iter().filter(|r| r.shed == Some(why)).count() as u64
 }
 
 /// Builds the report of a set of runs.
@@ -348,9 +488,19 @@ pub fn build_report(
         router_replicas: config.router_replicas,
         sync_delay_ms: round(config.sync_delay.as_secs_f64() * 1e3, 6),
         seed: config.seed,
+        queue: config.queue.map(|q| QueueSettings {
+            threshold: q.threshold,
+            policy: q.policy.to_string(),
+            max_requests: q.max_requests,
+            timeout_ms: q.timeout.map(|t| round(t.as_secs_f64() * 1e3, 3)),
+        }),
+        ttft_target_ms: round(config.ttft_target.as_secs_f64() * 1e3, 3),
         ideal_ttft_ms: stats(ideal.0),
         ideal_hit_rate: ideal.1,
-        policies: runs.iter().map(summarize).collect(),
+        policies: runs
+            .iter()
+            .map(|run| summarize_with(run, config.ttft_target))
+            .collect(),
         unavailable,
     }
 }
@@ -428,6 +578,55 @@ impl Report {
                 "{:<20} {:>12.1}ms {:>7.1}ms {:>7.1}ms\n",
                 p.name, t.step_in_flight, t.queued, t.prefill
             ));
+        }
+        let queue = self.queue.as_ref().map_or_else(
+            || "no router queue".to_string(),
+            |q| {
+                format!(
+                    "router queue: threshold {} × max_num_batched_tokens, {}, at most {}{}",
+                    q.threshold,
+                    q.policy,
+                    q.max_requests,
+                    q.timeout_ms
+                        .map_or_else(String::new, |t| format!(", timeout {t} ms"))
+                )
+            },
+        );
+        out.push_str(&format!(
+            "\n{:<20} {:>10} {:>10} {:>9} {:>9} {:>9} {:>8}   ({queue}; goodput: TTFT ≤ {} ms)\n",
+            "policy",
+            "queued mean",
+            "queued p99",
+            "shed full",
+            "timed out",
+            "goodput",
+            "fairness",
+            self.ttft_target_ms
+        ));
+        for p in &self.policies {
+            out.push_str(&format!(
+                "{:<20} {:>9.1}ms {:>8.1}ms {:>9} {:>9} {:>8.2}% {:>8}\n",
+                p.name,
+                p.queue_wait_ms.mean,
+                p.queue_wait_ms.p99,
+                p.shed_queue_full,
+                p.shed_timed_out,
+                p.goodput_share * 100.0,
+                p.tenant_fairness
+                    .map_or_else(|| "—".to_string(), |f| format!("{f:.3}"))
+            ));
+            for t in &p.tenants {
+                out.push_str(&format!(
+                    "  {:<18} {:>6} requests, goodput {:>6.2}%, TTFT p99 {:>8.1}ms, queued mean {:.1}ms p99 {:.1}ms, shed {}\n",
+                    t.tenant,
+                    t.requests,
+                    t.goodput_share * 100.0,
+                    t.ttft_ms.p99,
+                    t.queue_wait_ms.mean,
+                    t.queue_wait_ms.p99,
+                    t.shed
+                ));
+            }
         }
         out
     }
@@ -661,6 +860,8 @@ mod tests {
             router_replicas: 1,
             sync_delay_ms: 5.0,
             seed: 0,
+            queue: None,
+            ttft_target_ms: 2000.0,
             ideal_ttft_ms: LatencyStats::default(),
             ideal_hit_rate: 0.0,
             policies: vec![p],

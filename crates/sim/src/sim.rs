@@ -16,6 +16,9 @@ use crate::replicas::Replicated;
 use crate::timing::Nanos;
 use crate::workload::Workload;
 use crate::{RequestId, SimError};
+use kvroute_core::admission::{
+    AdmissionQueue, QueueConfig, QueueError, QueueOrder, QueuePolicy, over_threshold,
+};
 use kvroute_core::event::KvEvent;
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
@@ -32,6 +35,9 @@ pub const DEFAULT_EVENT_DELAY: Duration = Duration::from_millis(20);
 /// How late a router replica hears of another's bookings unless told otherwise: a NATS hop on
 /// one site.
 pub const DEFAULT_SYNC_DELAY: Duration = Duration::from_millis(5);
+
+/// The TTFT a request must meet to count toward goodput unless told otherwise.
+pub const DEFAULT_TTFT_TARGET: Duration = Duration::from_secs(2);
 
 /// The fleet and the run's knobs.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -51,6 +57,10 @@ pub struct SimConfig {
     /// and spreads near-equal picks (`kvroute_core::selector::ReplicaSpread`); off, they are
     /// anonymous and pick as a lone router would.
     pub replica_spread: bool,
+    /// The router-side queue (issue 31; `None`: every request is routed when it arrives).
+    pub queue: Option<SimQueue>,
+    /// A request whose TTFT is at most this counts toward goodput.
+    pub ttft_target: Duration,
 }
 
 impl Default for SimConfig {
@@ -63,6 +73,8 @@ impl Default for SimConfig {
             router_replicas: 1,
             sync_delay: DEFAULT_SYNC_DELAY,
             replica_spread: true,
+            queue: None,
+            ttft_target: DEFAULT_TTFT_TARGET,
         }
     }
 }
@@ -74,6 +86,20 @@ impl SimConfig {
         }
         if u32::try_from(self.workers).is_err() {
             return Err(SimError::invalid("workers", "must be at most 2^32 - 1"));
+        }
+        if let Some(q) = &self.queue {
+            if !(q.threshold.is_finite() && q.threshold >= 0.0) {
+                return Err(SimError::invalid(
+                    "queue-threshold",
+                    format!("must be a non-negative number, got {}", q.threshold),
+                ));
+            }
+            if q.max_requests == 0 {
+                return Err(SimError::invalid(
+                    "queue-max-requests",
+                    "must be at least 1",
+                ));
+            }
         }
         if self.router_replicas == 0 || self.router_replicas > 64 {
             return Err(SimError::invalid(
@@ -105,8 +131,46 @@ pub struct RequestOutcome {
     /// The rest of the step the chosen engine was running at arrival (0 when it was idle): a
     /// wait no queue or policy on that engine can avoid.
     pub step_in_flight_wait: Nanos,
+    /// The request's tenant ([`crate::SimRequest::tenant`]).
+    pub tenant: Option<u32>,
+    /// Time spent in the router's queue before being routed (0 when routed at arrival).
+    pub queued: Nanos,
+    /// Why the router's queue dropped it unrouted, if it did.
+    pub shed: Option<Shed>,
     /// Larger than any engine's KV pool: never routed.
     pub rejected: bool,
+}
+
+/// Why the router-side queue dropped a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shed {
+    /// The queue held `--queue-max-requests` already (the service answers 429 at once).
+    QueueFull,
+    /// It waited `--queue-timeout-ms` (the service answers 429).
+    TimedOut,
+}
+
+/// The router-side queue of issue 31, as the simulator runs it (`kvroute_core::admission`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SimQueue {
+    /// Requests wait while every worker's routed, not yet prefilled prompt tokens exceed this ×
+    /// `max_num_batched_tokens`.
+    pub threshold: f64,
+    pub policy: QueuePolicy,
+    pub max_requests: usize,
+    pub timeout: Option<Duration>,
+}
+
+impl SimQueue {
+    pub fn queue_config(&self) -> QueueConfig {
+        QueueConfig {
+            threshold: Some(self.threshold),
+            policy: self.policy,
+            max_requests: self.max_requests,
+            timeout: self.timeout,
+            ..QueueConfig::default()
+        }
+    }
 }
 
 /// The raw result of one policy's run.
@@ -175,121 +239,94 @@ pub fn run_policy(
         build_router(policy, config.workers, &config.engine)?
     };
     let mut rng = SmallRng::seed_from_u64(config.seed);
-    let mut engines: Vec<Engine> = (0..config.workers)
-        .map(|_| Engine::new(config.engine))
-        .collect();
-    let mut wake_pending = vec![false; config.workers];
-    // When each engine's step in flight started and ends.
-    let mut steps: Vec<(Nanos, Nanos)> = vec![(0, 0); config.workers];
+    let requests = &workload.requests;
+    let mut fleet = Fleet {
+        config,
+        policy: policy.name,
+        workload,
+        engines: (0..config.workers)
+            .map(|_| Engine::new(config.engine))
+            .collect(),
+        wake_pending: vec![false; config.workers],
+        steps: vec![(0, 0); config.workers],
+        outcomes: requests
+            .iter()
+            .map(|r| RequestOutcome {
+                arrival: r.arrival_nanos,
+                prompt_tokens: r.prompt.isl_tokens,
+                tenant: r.tenant,
+                ..RequestOutcome::default()
+            })
+            .collect(),
+        events: Queue {
+            heap: BinaryHeap::with_capacity(requests.len() + 2 * config.workers),
+            next_sequence: 0,
+        },
+        admission: config.queue.map(|q| AdmissionQueue::new(q.queue_config())),
+        routed_prefill: vec![0; config.workers],
+        done: 0,
+    };
     let mut delayed: Vec<VecDeque<Vec<KvEvent>>> = vec![VecDeque::new(); config.workers];
     let delay_nanos = u64::try_from(config.event_delay.as_nanos()).unwrap_or(u64::MAX);
-    let requests = &workload.requests;
-    let mut outcomes: Vec<RequestOutcome> = requests
-        .iter()
-        .map(|r| RequestOutcome {
-            arrival: r.arrival_nanos,
-            prompt_tokens: r.prompt.isl_tokens,
-            ..RequestOutcome::default()
-        })
-        .collect();
-    let mut queue = Queue {
-        heap: BinaryHeap::with_capacity(requests.len() + 2 * config.workers),
-        next_sequence: 0,
-    };
     for (i, r) in requests.iter().enumerate() {
         let id = RequestId::try_from(i)
             .map_err(|_| SimError::invalid("max-requests", "at most 2^32 - 1 requests"))?;
-        queue.push(r.arrival_nanos, Event::Arrival(id));
+        fleet.events.push(r.arrival_nanos, Event::Arrival(id));
     }
-    let mut done = 0usize;
     let at = |t: Nanos| origin + Duration::from_nanos(t);
 
-    while let Some(Reverse((t, _, event))) = queue.heap.pop() {
+    while let Some(Reverse((t, _, event))) = fleet.events.heap.pop() {
         let now = at(t);
         match event {
             Event::Arrival(id) => {
                 let request = &requests[id as usize];
                 if !config.engine.fits(request) {
-                    outcomes[id as usize].rejected = true;
-                    done += 1;
-                    progress(done);
+                    fleet.outcomes[id as usize].rejected = true;
+                    fleet.finish_one(progress);
                     continue;
                 }
-                let w = router.route(id, &request.prompt, now, &mut rng)?;
-                let block_size = u64::from(config.engine.block_size);
-                let cached_tokens = |e: &Engine| {
-                    e.pool().cached_prefix_blocks(&request.prompt.sequence) as u64 * block_size
-                };
-                let best = engines.iter().map(cached_tokens).max().unwrap_or(0);
-                let Some(engine) = engines.get_mut(w) else {
-                    return Err(SimError::Internal(format!(
-                        "policy {} chose worker {w} of {}",
-                        policy.name, config.workers
-                    )));
-                };
-                let chosen = cached_tokens(engine);
-                let in_flight_wait = if engine.in_step() {
-                    steps[w].1.saturating_sub(t)
-                } else {
-                    0
-                };
-                engine.submit(id, request);
-                let outcome = &mut outcomes[id as usize];
-                outcome.step_in_flight_wait = in_flight_wait;
-                outcome.worker = Some(w as u32);
-                outcome.chosen_overlap_tokens = chosen;
-                outcome.best_overlap_tokens = best;
-                if !engine.in_step() && !wake_pending[w] {
-                    wake_pending[w] = true;
-                    queue.push(t, Event::StepStart(w as u32));
-                }
+                fleet.admit(router.as_mut(), &mut rng, id, t, now, progress)?;
             }
             Event::StepStart(w) => {
-                wake_pending[w as usize] = false;
-                start_step(
-                    &mut engines[w as usize],
-                    w,
-                    t,
-                    workload,
-                    &mut queue,
-                    &mut steps,
-                )?;
+                fleet.wake_pending[w as usize] = false;
+                fleet.start_step(w, t)?;
             }
             Event::StepEnd(w) => {
-                let report = engines[w as usize].finish_step();
+                let report = fleet.engines[w as usize].finish_step();
                 for &(id, cached) in &report.first_admissions {
-                    outcomes[id as usize].cached_tokens = cached;
-                    outcomes[id as usize].admitted = Some(steps[w as usize].0);
+                    fleet.outcomes[id as usize].cached_tokens = cached;
+                    fleet.outcomes[id as usize].admitted = Some(fleet.steps[w as usize].0);
                 }
                 if !report.events.is_empty() {
                     if delay_nanos == 0 {
                         router.on_kv_events(w as usize, &report.events);
                     } else {
                         delayed[w as usize].push_back(report.events);
-                        queue.push(t.saturating_add(delay_nanos), Event::DeliverEvents(w));
+                        fleet
+                            .events
+                            .push(t.saturating_add(delay_nanos), Event::DeliverEvents(w));
                     }
                 }
                 for &id in &report.first_tokens {
-                    outcomes[id as usize].first_token = Some(t);
+                    fleet.outcomes[id as usize].first_token = Some(t);
+                    let prompt = requests[id as usize].prompt.isl_tokens;
+                    let routed = &mut fleet.routed_prefill[w as usize];
+                    *routed = routed.saturating_sub(prompt);
                     router.on_first_token(id, now)?;
                 }
                 for &id in &report.output_blocks {
                     router.on_output_block(id, now)?;
                 }
                 for &id in &report.finished {
-                    outcomes[id as usize].finished = Some(t);
+                    fleet.outcomes[id as usize].finished = Some(t);
                     router.on_finished(id, now)?;
-                    done += 1;
-                    progress(done);
+                    fleet.finish_one(progress);
                 }
-                start_step(
-                    &mut engines[w as usize],
-                    w,
-                    t,
-                    workload,
-                    &mut queue,
-                    &mut steps,
-                )?;
+                fleet.start_step(w, t)?;
+                if !report.first_tokens.is_empty() {
+                    // Prefill completed: capacity for waiting requests, maybe.
+                    fleet.release(router.as_mut(), &mut rng, t, now, progress)?;
+                }
             }
             Event::DeliverEvents(w) => {
                 if let Some(events) = delayed[w as usize].pop_front() {
@@ -298,18 +335,180 @@ pub fn run_policy(
             }
         }
     }
-    if let Some((w, _)) = engines.iter().enumerate().find(|(_, e)| e.has_work()) {
+    if let Some((w, _)) = fleet.engines.iter().enumerate().find(|(_, e)| e.has_work()) {
         return Err(SimError::Internal(format!(
             "engine {w} stalled with requests left"
         )));
     }
+    if fleet.admission.as_ref().is_some_and(|q| !q.is_empty()) {
+        return Err(SimError::Internal(
+            "requests were left in the router's queue".into(),
+        ));
+    }
     Ok(PolicyRun {
         policy: policy.name.to_string(),
-        requests: outcomes,
-        engines: engines.iter().map(Engine::counters).collect(),
+        requests: fleet.outcomes,
+        engines: fleet.engines.iter().map(Engine::counters).collect(),
         router: router.diagnostics(),
         selector_overlap: router.selector_overlap(),
     })
+}
+
+/// The run's mutable state: the engines, the outcomes, the event queue and the router-side
+/// admission queue.
+struct Fleet<'a> {
+    config: &'a SimConfig,
+    policy: &'static str,
+    workload: &'a Workload,
+    engines: Vec<Engine>,
+    wake_pending: Vec<bool>,
+    /// When each engine's step in flight started and ends.
+    steps: Vec<(Nanos, Nanos)>,
+    outcomes: Vec<RequestOutcome>,
+    events: Queue,
+    admission: Option<AdmissionQueue<RequestId>>,
+    /// Prompt tokens routed to each worker whose first token has not come: the queue's view of
+    /// its active prefill (the same for every policy).
+    routed_prefill: Vec<u64>,
+    done: usize,
+}
+
+impl Fleet<'_> {
+    fn finish_one(&mut self, progress: &mut dyn FnMut(usize)) {
+        self.done += 1;
+        progress(self.done);
+    }
+
+    fn start_step(&mut self, w: u32, t: Nanos) -> Result<(), SimError> {
+        start_step(
+            &mut self.engines[w as usize],
+            w,
+            t,
+            self.workload,
+            &mut self.events,
+            &mut self.steps,
+        )
+    }
+
+    /// Whether every worker is over the queue threshold (never without a queue).
+    fn saturated(&self) -> bool {
+        let Some(q) = &self.config.queue else {
+            return false;
+        };
+        let capacity = Some(self.config.engine.max_num_batched_tokens);
+        self.routed_prefill
+            .iter()
+            .all(|&p| over_threshold(q.threshold, p, capacity))
+    }
+
+    /// An arriving request: routed at once, or queued behind the waiting ones while the fleet
+    /// is saturated (a full queue sheds it).
+    fn admit(
+        &mut self,
+        router: &mut dyn Router,
+        rng: &mut SmallRng,
+        id: RequestId,
+        t: Nanos,
+        now: Instant,
+        progress: &mut dyn FnMut(usize),
+    ) -> Result<(), SimError> {
+        let waiting = self.admission.as_ref().is_some_and(|q| !q.is_empty());
+        let queue_it = waiting || self.saturated();
+        let Some(queue) = self.admission.as_mut().filter(|_| queue_it) else {
+            return self.dispatch(router, rng, id, t, now);
+        };
+        let request = &self.workload.requests[id as usize];
+        let order = QueueOrder {
+            arrived: now,
+            isl_tokens: request.prompt.isl_tokens,
+            priority_jump: 0.0,
+            timeout: None,
+        };
+        match queue.push(&tenant_name(request.tenant), order, id) {
+            Ok(_) => self.release(router, rng, t, now, progress),
+            Err(QueueError::Full { .. }) => {
+                self.outcomes[id as usize].shed = Some(Shed::QueueFull);
+                self.finish_one(progress);
+                Ok(())
+            }
+        }
+    }
+
+    /// Sheds the requests that waited too long, then routes waiting ones while the fleet has
+    /// room.
+    fn release(
+        &mut self,
+        router: &mut dyn Router,
+        rng: &mut SmallRng,
+        t: Nanos,
+        now: Instant,
+        progress: &mut dyn FnMut(usize),
+    ) -> Result<(), SimError> {
+        let Some(queue) = self.admission.as_mut() else {
+            return Ok(());
+        };
+        for gone in queue.expire(now) {
+            self.outcomes[gone.payload as usize].shed = Some(Shed::TimedOut);
+            self.finish_one(progress);
+        }
+        // A request routed to an idle fleet always finds room: an empty fleet is not saturated.
+        while !self.saturated() {
+            let Some(next) = self.admission.as_mut().and_then(AdmissionQueue::pop) else {
+                break;
+            };
+            self.outcomes[next.payload as usize].queued =
+                t.saturating_sub(self.workload.requests[next.payload as usize].arrival_nanos);
+            self.dispatch(router, rng, next.payload, t, now)?;
+        }
+        Ok(())
+    }
+
+    /// Routes a request and hands it to the chosen engine.
+    fn dispatch(
+        &mut self,
+        router: &mut dyn Router,
+        rng: &mut SmallRng,
+        id: RequestId,
+        t: Nanos,
+        now: Instant,
+    ) -> Result<(), SimError> {
+        let request = &self.workload.requests[id as usize];
+        let w = router.route(id, &request.prompt, now, rng)?;
+        let block_size = u64::from(self.config.engine.block_size);
+        let cached_tokens = |e: &Engine| {
+            e.pool().cached_prefix_blocks(&request.prompt.sequence) as u64 * block_size
+        };
+        let best = self.engines.iter().map(cached_tokens).max().unwrap_or(0);
+        let Some(engine) = self.engines.get_mut(w) else {
+            return Err(SimError::Internal(format!(
+                "policy {} chose worker {w} of {}",
+                self.policy, self.config.workers
+            )));
+        };
+        let chosen = cached_tokens(engine);
+        let in_flight_wait = if engine.in_step() {
+            self.steps[w].1.saturating_sub(t)
+        } else {
+            0
+        };
+        engine.submit(id, request);
+        self.routed_prefill[w] += request.prompt.isl_tokens;
+        let outcome = &mut self.outcomes[id as usize];
+        outcome.step_in_flight_wait = in_flight_wait;
+        outcome.worker = Some(w as u32);
+        outcome.chosen_overlap_tokens = chosen;
+        outcome.best_overlap_tokens = best;
+        if !engine.in_step() && !self.wake_pending[w] {
+            self.wake_pending[w] = true;
+            self.events.push(t, Event::StepStart(w as u32));
+        }
+        Ok(())
+    }
+}
+
+/// The queue's tenant of a request (`default` when the workload has none).
+pub fn tenant_name(tenant: Option<u32>) -> String {
+    tenant.map_or_else(|| "default".to_string(), |t| format!("tenant-{t}"))
 }
 
 fn start_step(

@@ -44,6 +44,9 @@ pub struct SimRequest {
     /// The conversation or agent session the request belongs to, when the workload knows it
     /// (the agentic workload does). Not used by the policies yet.
     pub session_id: Option<u64>,
+    /// The tenant it belongs to, when the workload knows it (the agentic workload does); the
+    /// router-side queue shares capacity between tenants (issue 31).
+    pub tenant: Option<u32>,
 }
 
 /// A workload, ready to replay.
@@ -261,6 +264,7 @@ pub fn mooncake_workload(
             ),
             output_tokens: row.output_length,
             session_id: None,
+            tenant: None,
         })
         .collect();
     Ok(Workload {
@@ -381,6 +385,7 @@ pub fn synthetic_workload(
             prompt: PromptHashes::from_tokens(&tokens, block_size as usize, BASE_SEED),
             output_tokens: spec.output_tokens,
             session_id: None,
+            tenant: None,
         });
     }
     Ok(Workload {

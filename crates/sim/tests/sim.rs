@@ -275,9 +275,9 @@ fn the_chart_names_every_policy() {
     let svg = render_svg(&report, &runs).unwrap();
     assert!(svg.starts_with("<svg"), "{}", &svg[..svg.len().min(80)]);
     assert!(svg.contains("round_robin") && svg.contains("dynamo"));
-    // A header, a line per policy and the ideal bound, a blank line, then the TTFT parts' header
-    // and lines.
-    assert_eq!(report.to_table().lines().count(), 8);
+    // A header, a line per policy and the ideal bound, then two blocks (TTFT parts; queue and
+    // goodput), each a blank line, a header and a line per policy.
+    assert_eq!(report.to_table().lines().count(), 12);
     for p in &report.policies {
         assert!(p.ttft_ms.mean >= report.ideal_ttft_ms.mean, "{p:?}");
         assert!(p.ttft_ms.p50 >= report.ideal_ttft_ms.p50, "{p:?}");
@@ -332,4 +332,137 @@ fn decision_quality_is_a_fraction_and_1_with_one_worker() {
             assert!(fleet.decision_quality < 1.0, "{}", fleet.decision_quality);
         }
     }
+}
+
+/// Issue 31: the router-side queue. An overloaded two-worker fleet (96 prompts of 2,304 tokens at
+/// 400 req/s) with the queue on: requests wait in the router while both workers hold more than
+/// the threshold of routed prompt tokens, each is then routed or shed, none is lost, and the
+/// waits show in the report; a short timeout and a tiny bound shed.
+#[test]
+fn the_router_queue_holds_requests_while_the_fleet_is_full() {
+    use kvroute_core::admission::QueuePolicy;
+    use kvroute_sim::sim::{Shed, SimQueue};
+    use std::time::Duration;
+    let spec = SyntheticSpec {
+        groups: 8,
+        prompts_per_group: 12,
+        system_prompt_tokens: 2_048,
+        question_tokens: 256,
+        output_tokens: 64,
+        rate_rps: 400.0,
+        seed: 3,
+    };
+    let workload = synthetic_workload(&spec, 64, &ArrivalOptions::default()).unwrap();
+    let queue = SimQueue {
+        threshold: 0.5,
+        policy: QueuePolicy::Fcfs,
+        max_requests: 10_000,
+        timeout: None,
+    };
+    let config = SimConfig {
+        workers: 2,
+        queue: Some(queue),
+        ..SimConfig::default()
+    };
+    for name in ["round_robin", "kvroute"] {
+        let open = run(
+            &workload,
+            &SimConfig {
+                queue: None,
+                ..config
+            },
+            &policies(name)[0],
+        );
+        let queued = run(&workload, &config, &policies(name)[0]);
+        let waited = queued.requests.iter().filter(|r| r.queued > 0).count();
+        assert!(
+            waited > 10,
+            "{name}: {waited} requests waited in the router"
+        );
+        assert!(open.requests.iter().all(|r| r.queued == 0));
+        // Every request was routed and finished; none shed without a bound or timeout.
+        assert!(
+            queued
+                .requests
+                .iter()
+                .all(|r| r.finished.is_some() && r.shed.is_none()),
+            "{name}"
+        );
+        let report = summarize(&queued);
+        assert!(report.queue_wait_ms.mean > 0.0);
+        assert_eq!(report.completed, 96);
+    }
+
+    // A 5 ms timeout sheds some, a bound of 2 waiting requests sheds others at once; either way
+    // a shed request was never routed, and the rest finished.
+    for (q, why) in [
+        (
+            SimQueue {
+                timeout: Some(Duration::from_millis(5)),
+                ..queue
+            },
+            Shed::TimedOut,
+        ),
+        (
+            SimQueue {
+                max_requests: 2,
+                ..queue
+            },
+            Shed::QueueFull,
+        ),
+    ] {
+        let config = SimConfig {
+            queue: Some(q),
+            ..config
+        };
+        let r = run(&workload, &config, &policies("kvroute")[0]);
+        let shed: Vec<_> = r.requests.iter().filter(|o| o.shed.is_some()).collect();
+        assert!(!shed.is_empty(), "{why:?}");
+        assert!(
+            shed.iter()
+                .all(|o| o.shed == Some(why) && o.worker.is_none())
+        );
+        assert!(
+            r.requests
+                .iter()
+                .all(|o| o.shed.is_some() || o.finished.is_some())
+        );
+        let report = summarize(&r);
+        let counted = match why {
+            Shed::TimedOut => report.shed_timed_out,
+            Shed::QueueFull => report.shed_queue_full,
+        };
+        assert_eq!(counted as usize, shed.len());
+    }
+}
+
+/// Issue 31: goodput and tenants. The agentic workload's tenants are reported one by one, with
+/// Jain's index of their goodput shares; a request meets the target when its TTFT does.
+#[test]
+fn goodput_is_reported_per_tenant() {
+    use kvroute_sim::workload::agentic_workload;
+    let spec = kvroute_sim::AgenticSpec {
+        tenants: 2,
+        sessions: 12,
+        tenant_skew: 3.0,
+        ..kvroute_sim::AgenticSpec::default()
+    };
+    let workload = agentic_workload(&spec, 64, &ArrivalOptions::default()).unwrap();
+    let small = small_fleet();
+    let runs = vec![run(&workload, &small, &policies("kvroute")[0])];
+    let report = build_report(&workload, &small, &runs, Vec::new());
+    let p = &report.policies[0];
+    assert_eq!(p.tenants.len(), 2);
+    assert_eq!(
+        p.tenants.iter().map(|t| t.requests).sum::<u64>(),
+        workload.requests.len() as u64
+    );
+    let fairness = p.tenant_fairness.unwrap();
+    assert!(fairness > 0.0 && fairness <= 1.0);
+    // Without a queue nothing is shed; goodput counts TTFT ≤ 2 s.
+    let ttfts = kvroute_sim::report::ttfts_ms(&runs[0]);
+    let good = ttfts.iter().filter(|&&t| t <= 2000.0).count() as u64;
+    assert_eq!(p.goodput_requests, good);
+    assert_eq!(kvroute_sim::report::jain_index(&[1.0, 1.0]), 1.0);
+    assert_eq!(kvroute_sim::report::jain_index(&[1.0, 0.0]), 0.5);
 }

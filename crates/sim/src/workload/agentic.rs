@@ -79,6 +79,9 @@ pub struct AgenticSpec {
     pub est_prefill_tokens_per_ms: f64,
     /// Estimated decode pace for the turn arrivals, ms per output token.
     pub est_ms_per_token: f64,
+    /// Tenant 0 starts this many times as many sessions (and one-shot requests) as each other
+    /// tenant (1: all alike), for fairness experiments (issue 31).
+    pub tenant_skew: f64,
     pub seed: u64,
 }
 
@@ -98,6 +101,7 @@ impl Default for AgenticSpec {
             one_shot_share: 0.2,
             session_rate: 1.0,
             max_context_tokens: 65_536,
+            tenant_skew: 1.0,
             est_prefill_tokens_per_ms: 40.0,
             est_ms_per_token: 20.0,
             seed: 0,
@@ -169,6 +173,7 @@ impl AgenticSpec {
                     parse_number(key, value).map(|v| spec.est_prefill_tokens_per_ms = v)
                 }
                 "est-ms-per-token" => parse_number(key, value).map(|v| spec.est_ms_per_token = v),
+                "tenant-skew" => parse_number(key, value).map(|v| spec.tenant_skew = v),
                 _ => Err(SimError::invalid(
                     "synthetic",
                     format!("agentic: unknown key `{key}`"),
@@ -187,6 +192,12 @@ impl AgenticSpec {
         let positive = |x: f64| x.is_finite() && x > 0.0;
         if self.tenants == 0 {
             return bad("tenants must be at least 1".into());
+        }
+        if !(self.tenant_skew.is_finite() && self.tenant_skew > 0.0) {
+            return bad(format!(
+                "tenant-skew must be a positive number, got {}",
+                self.tenant_skew
+            ));
         }
         if self.turns.0 == 0 || self.fanout.0 == 0 {
             return bad("turns and fanout must be at least 1".into());
@@ -237,8 +248,13 @@ impl AgenticSpec {
 
     /// A one-line description for the report.
     pub fn describe(&self, session_rate: f64) -> String {
+        let skew = if self.tenant_skew == 1.0 {
+            String::new()
+        } else {
+            format!(" (tenant 0 ×{})", self.tenant_skew)
+        };
         format!(
-            "synthetic agentic ({} tenants, {} sessions of {}-{} turns, fan-out p {} of {}-{}, \
+            "synthetic agentic ({} tenants{skew}, {} sessions of {}-{} turns, fan-out p {} of {}-{}, \
              one-shot {}, {} sessions/s, seed {})",
             self.tenants,
             self.sessions,
@@ -272,6 +288,20 @@ pub(crate) struct AgenticItem {
 
 fn draw(rng: &mut SmallRng, span: Span) -> usize {
     rng.random_range(span.0..=span.1)
+}
+
+/// A tenant: uniform, or tenant 0 `tenant_skew` times as likely as each other one.
+fn draw_tenant(rng: &mut SmallRng, spec: &AgenticSpec) -> usize {
+    if spec.tenant_skew == 1.0 || spec.tenants == 1 {
+        return rng.random_range(0..spec.tenants);
+    }
+    let total = spec.tenant_skew + (spec.tenants - 1) as f64;
+    let x = rng.random::<f64>() * total;
+    if x < spec.tenant_skew {
+        0
+    } else {
+        (1 + ((x - spec.tenant_skew) as usize)).min(spec.tenants - 1)
+    }
 }
 
 fn exponential(rng: &mut SmallRng, mean: f64) -> f64 {
@@ -318,7 +348,7 @@ pub(crate) fn generate(
             start_ms += exponential(&mut rng, 1e3 / session_rate);
         }
         let session = s as u64;
-        let tenant = rng.random_range(0..spec.tenants);
+        let tenant = draw_tenant(&mut rng, spec);
         let turns = draw(&mut rng, spec.turns);
         let mut context = system_of(tenant);
         push_segment(&mut context, key(session, 0, USER, 0), spec.user_tokens);
@@ -391,7 +421,7 @@ pub(crate) fn generate(
         if j > 0 {
             one_shot_ms += exponential(&mut rng, span_ms / one_shots as f64);
         }
-        let tenant = rng.random_range(0..spec.tenants);
+        let tenant = draw_tenant(&mut rng, spec);
         let session = (spec.sessions + j) as u64;
         let mut tokens = system_of(tenant);
         push_segment(&mut tokens, key(session, 0, ONE_SHOT, 0), spec.user_tokens);
@@ -434,6 +464,7 @@ pub fn agentic_workload(
             prompt: PromptHashes::from_tokens(&item.tokens, block_size as usize, BASE_SEED),
             output_tokens: item.output_tokens,
             session_id: Some(item.session),
+            tenant: Some(item.tenant as u32),
         })
         .collect();
     Ok(Workload {
