@@ -24,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -1339,6 +1340,20 @@ def scenario_multimodal(r, port, zmq_base):
 QUEUE_THRESHOLD = "0.5"
 QUEUE_MNBT = 64
 ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
+QUEUE_POLICY_YAML = """\
+default_policy_family: main
+uncached_isl_buckets:
+  - min_tokens: 0
+    bucket: all
+policy_classes:
+  - name: main
+    policy_family: main
+    cache_bucket: all
+    queue_policy: fcfs
+    quantum: 10
+    prefill_busy_threshold_frac: 0.5
+    request_queue_limit_per_worker: 2
+"""
 
 
 def http_raw(port, method, path, body=_NO_BODY, timeout=30):
@@ -1475,7 +1490,9 @@ def run_order(r, port, policy, name, requests, model="default"):
         for rid in release:
             r.call(f"{prefix}release_{len(steps) + 1}_prefill_complete_{rid.split('-')[-1]}",
                    "POST", f"/reservations/{rid}/prefill_complete")
-        new = settle(waiting, done_names)
+        # Within one release the completion order is sub-millisecond noise (requests admitted
+        # by one drain answer together): list them in send order.
+        new = sorted(settle(waiting, done_names), key=waiting.index)
         done_names |= {w.name for w in new}
         after = queue_loads(port, model)
         steps.append({"release": [f"prefill_complete {rid.split('-')[-1]}" for rid in release],
@@ -1738,31 +1755,57 @@ def scenario_queue(r, port, zmq_base):
             "model_name": mm, "token_ids": toks(40), "selection_id": "mm-pin",
             "pinned_worker": {"worker_id": 11, "dp_rank": 0}})
         wait_pending(port, 1, mm)
-        w_allowed = Waiting(port, "multi_allowed_only_busy_11", "POST", "/select_and_reserve", {
-            "model_name": mm, "token_ids": toks(36), "selection_id": "mm-allowed",
-            "allowed_worker_ids": [11]})
-        wait_pending(port, 2, mm)
         r.call("multi_unpinned_while_pinned_queued", "POST", "/select_and_reserve",
                {"model_name": mm, "token_ids": toks(8), "selection_id": "mm-free-2"},
-               note="requests queued for worker 11 do not hold back one that worker 12 can take")
-        r.call("multi_loads_two_queued", "GET", f"/loads?model_name={mm}")
+               note="a queued pinned request does not hold back one that worker 12 can take")
+        r.call("multi_loads_pinned_queued", "GET", f"/loads?model_name={mm}")
         r.call("multi_loads_default_partition", "GET", "/loads?model_name=default",
                note="queues are per partition")
         r.call("multi_prefill_complete_on_12", "POST", "/reservations/mm-free/prefill_complete",
-               note="capacity freed on worker 12 does not release requests restricted to 11")
+               note="capacity freed on worker 12 does not release a request pinned to 11")
         time.sleep(0.5)
         r.call("multi_loads_after_release_on_12", "GET", f"/loads?model_name={mm}")
         r.call("multi_prefill_complete_on_11", "POST", "/reservations/mb-11/prefill_complete")
         w_pin.thread.join(5)
-        r.exchanges.append(w_pin.entry("queued (pinned to busy worker 11); released by its "
-                                       "prefill_complete"))
-        time.sleep(0.5)
-        r.call("multi_loads_after_first_release_on_11", "GET", f"/loads?model_name={mm}",
+        r.exchanges.append(w_pin.entry("queued (pinned to busy worker 11); released by the "
+                                       "prefill_complete on 11"))
+        time.sleep(0.3)
+        r.call("multi_loads_after_release_on_11", "GET", f"/loads?model_name={mm}",
                note="the admitted pinned request made 11 busy again")
-        r.call("multi_prefill_complete_pinned", "POST", "/reservations/mm-pin/prefill_complete")
-        w_allowed.thread.join(5)
-        r.exchanges.append(w_allowed.entry("queued (allowed_worker_ids [11])"))
-        for rid in ("mb-11", "mm-free", "mm-free-2", "mm-pin", "mm-allowed"):
+        # head-of-line: an unpinned request queues behind an allowed_worker_ids one
+        w_allowed = Waiting(port, "hol_allowed_only_busy_11", "POST", "/select_and_reserve", {
+            "model_name": mm, "token_ids": toks(36), "selection_id": "hol-allowed",
+            "allowed_worker_ids": [11]})
+        wait_pending(port, 1, mm)
+        w_hol = Waiting(port, "hol_unpinned_behind_it", "POST", "/select_and_reserve",
+                        {"model_name": mm, "token_ids": toks(36), "selection_id": "hol-free"})
+        wait_pending(port, 2, mm)
+        time.sleep(1.0)
+        hol_waiting = not w_hol.done()
+        r.call("hol_loads_two_queued", "GET", f"/loads?model_name={mm}",
+               note=f"worker 12 is idle, yet the unpinned request waits (still waiting 1 s "
+                    f"later: {hol_waiting})")
+        r.call("hol_select_advisory", "POST", "/select",
+               {"model_name": mm, "token_ids": toks(8), "advisory": True})
+        t_rel = time.monotonic()
+        r.call("hol_prefill_complete_pinned_on_11", "POST",
+               "/reservations/mm-pin/prefill_complete")
+        for w in (w_allowed, w_hol):
+            w.thread.join(5)
+        events.append({"name": "head_of_line_blocking", "model_name": mm,
+                       "queued": ["hol-allowed (allowed_worker_ids [11], 11 busy)",
+                                  "hol-free (no constraint, worker 12 idle)"],
+                       "unpinned_waited_while_12_idle": hol_waiting,
+                       "after_release_on_11_ms": {w.body["selection_id"]: round(
+                           (w.done_at - t_rel) * 1000) if w.done_at else None
+                           for w in (w_allowed, w_hol)},
+                       "worker_ids": {w.body["selection_id"]: w.response.get("worker_id")
+                                      if isinstance(w.response, dict) else None
+                                      for w in (w_allowed, w_hol)}})
+        for w in (w_allowed, w_hol):
+            r.exchanges.append(w.entry("queued; both admitted by the release on worker 11"))
+        r.call("hol_loads_after_release", "GET", f"/loads?model_name={mm}")
+        for rid in ("mb-11", "mm-free", "mm-free-2", "mm-pin", "hol-allowed", "hol-free"):
             quiet_delete(port, f"/reservations/{rid}")
 
         # worker catalog changes drain (or fail) the queue
@@ -1786,7 +1829,9 @@ def scenario_queue(r, port, zmq_base):
         r.call("catalog_patch_worker_11_capacity", "PATCH", "/workers/11",
                {"max_num_batched_tokens": 1000}, note="40 active of 0.5 x 1000: no longer busy")
         w_patch.thread.join(5)
-        r.exchanges.append(w_patch.entry("queued; admitted when worker 11's capacity grew"))
+        r.exchanges.append(w_patch.entry(
+            "queued; admitted when worker 11's capacity grew (the worker it lands on is the "
+            "usual cost choice among 11, 12, 13: not necessarily 11, varies run to run)"))
         r.call("catalog_patch_worker_11_back", "PATCH", "/workers/11",
                {"max_num_batched_tokens": QUEUE_MNBT})
         r.call("catalog_loads_all_busy", "GET", f"/loads?model_name={mm}")
@@ -1921,6 +1966,50 @@ def scenario_queue(r, port, zmq_base):
             finally:
                 svc.stop()
             r.exchanges.extend(r2.exchanges)
+
+        # ------------------------------------------------ DYN_ROUTER_POLICY_CONFIG queue limit
+        p4 = port + 4
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+            f.write(QUEUE_POLICY_YAML)
+        svc = Service(RUNTIME["python"], p4, RUNTIME["log"],
+                      extra_env={"DYN_ROUTER_POLICY_CONFIG": f.name})
+        r4 = Recorder(p4)
+        waiting = []
+        try:
+            pre = "policy_config_"
+            note = ("instance with DYN_ROUTER_POLICY_CONFIG=<file>: one class, fcfs, "
+                    "prefill_busy_threshold_frac 0.5, request_queue_limit_per_worker 2")
+            r4.call(pre + "upsert_worker_1", "POST", "/workers",
+                    worker(1, zmq_base + 30, max_num_batched_tokens=QUEUE_MNBT), note=note)
+            r4.call(pre + "upsert_worker_2_without_max_num_batched_tokens", "POST", "/workers",
+                    worker(2, zmq_base + 31, model_name="m-nocap"))
+            r4.call(pre + "book_blocker", "POST", "/reservations", {
+                "selection_id": "pc-blk", "worker_id": 1, "token_ids": toks(40),
+                "effective_prefill_tokens": 40})
+            for i in range(2):
+                waiting.append(Waiting(p4, f"{pre}queued_{i + 1}", "POST", "/select_and_reserve",
+                                       {"token_ids": toks(40), "selection_id": f"pc-{i + 1}"}))
+                wait_pending(p4, i + 1)
+            r4.call(pre + "loads_two_queued", "GET", "/loads")
+            r4.call(pre + "select_and_reserve_over_limit", "POST", "/select_and_reserve",
+                    {"token_ids": toks(40), "selection_id": "pc-3"},
+                    note="limit 2 per worker x 1 worker, 2 queued: rejected at once")
+            r4.call(pre + "select_over_limit", "POST", "/select", {"token_ids": toks(40)})
+            r4.call(pre + "select_advisory_over_limit", "POST", "/select",
+                    {"token_ids": toks(40), "advisory": True})
+            r4.call(pre + "free_rejected_id", "DELETE", "/reservations/pc-3",
+                    note="the rejected request booked nothing")
+            r4.call(pre + "release", "POST", "/reservations/pc-blk/prefill_complete")
+            waiting[0].thread.join(5)
+            r4.exchanges.append(waiting[0].entry("queued; admitted by the release"))
+            r4.call(pre + "loads_after_release", "GET", "/loads")
+        finally:
+            svc.stop()
+            os.unlink(f.name)
+            for w in waiting[1:]:
+                w.thread.join(5)
+                r4.exchanges.append(w.entry("queued; service stopped (SIGINT)"))
+        r.exchanges.extend(r4.exchanges)
 
         return {"env": queue_env_checks(port + 3), "orders": orders, "events": events}
     finally:

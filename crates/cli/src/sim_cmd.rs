@@ -101,6 +101,10 @@ pub struct SimArgs {
     /// Order of the queue: fcfs, lcfs or wspt (shortest prompt first, with aging).
     #[arg(long, default_value = "fcfs")]
     pub queue_policy: String,
+    /// Also queue while every worker's routed, unfinished requests would fill more than this
+    /// share of its KV pool (prompt + output tokens; off by default).
+    #[arg(long)]
+    pub queue_kv_threshold: Option<f64>,
     /// At most this many requests wait; more are shed.
     #[arg(long, default_value_t = 10_000)]
     pub queue_max_requests: usize,
@@ -236,6 +240,7 @@ pub fn sim_config(args: &SimArgs) -> Result<SimConfig, String> {
                     .parse()
                     .map_err(|e| format!("invalid --queue-policy: {e}"))?,
                 max_requests: args.queue_max_requests,
+                kv_threshold: args.queue_kv_threshold,
                 timeout: match args.queue_timeout_ms {
                     None => None,
                     Some(ms) if ms.is_finite() && ms > 0.0 => {
@@ -571,6 +576,7 @@ mod tests {
                 policy: kvroute_core::admission::QueuePolicy::Wspt,
                 max_requests: 7,
                 timeout: Some(Duration::from_millis(250)),
+                kv_threshold: None,
             })
         );
         assert_eq!(q.ttft_target, Duration::from_millis(500));

@@ -95,7 +95,9 @@ impl Default for QueueConfig {
             timeout: None,
             // 10 µs a token: a 10,000-token prompt yields to prompts arriving up to 0.1 s after it.
             wspt_aging_per_token: Duration::from_micros(10),
-            quantum_tokens: 8_192,
+            // A turn's credit covers one prompt of a 64k-token context, so every turn admits
+            // something and a light tenant's burst waits a few turns, not one per 8k tokens.
+            quantum_tokens: 65_536,
             tenant_weights: BTreeMap::new(),
             default_weight: 1,
         }

@@ -94,7 +94,8 @@ pub struct PolicyReport {
     pub goodput_share: f64,
     /// Per tenant, when the workload has more than one.
     pub tenants: Vec<TenantReport>,
-    /// Jain's fairness index of the tenants' goodput shares (1: equal), `null` for one tenant.
+    /// Jain's fairness index of the tenants' goodput, in requests that met the target (1: equal;
+    /// the simulator's tenants have equal weights), `null` for one tenant.
     pub tenant_fairness: Option<f64>,
 }
 
@@ -185,8 +186,15 @@ fn queue_figures(run: &PolicyRun, target: Duration) -> (u64, f64, Vec<TenantRepo
     } else {
         Vec::new()
     };
-    let fairness = (!tenants.is_empty())
-        .then(|| jain_index(&tenants.iter().map(|t| t.goodput_share).collect::<Vec<_>>()));
+    // Of the tenants' good requests (equal weights: each is owed the same goodput).
+    let fairness = (!tenants.is_empty()).then(|| {
+        jain_index(
+            &tenants
+                .iter()
+                .map(|t| t.goodput_share * t.requests as f64)
+                .collect::<Vec<_>>(),
+        )
+    });
     (
         good_count,
         share(good_count, eligible.len()),

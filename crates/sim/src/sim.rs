@@ -159,6 +159,9 @@ pub struct SimQueue {
     pub policy: QueuePolicy,
     pub max_requests: usize,
     pub timeout: Option<Duration>,
+    /// Also full: a worker whose routed, unfinished requests' prompt and output tokens exceed
+    /// this share of its KV pool (kvroute's addition; Dynamo's threshold sees only prefill).
+    pub kv_threshold: Option<f64>,
 }
 
 impl SimQueue {
@@ -264,6 +267,7 @@ pub fn run_policy(
         },
         admission: config.queue.map(|q| AdmissionQueue::new(q.queue_config())),
         routed_prefill: vec![0; config.workers],
+        routed_tokens: vec![0; config.workers],
         done: 0,
     };
     let mut delayed: Vec<VecDeque<Vec<KvEvent>>> = vec![VecDeque::new(); config.workers];
@@ -319,12 +323,15 @@ pub fn run_policy(
                 }
                 for &id in &report.finished {
                     fleet.outcomes[id as usize].finished = Some(t);
+                    let r = &requests[id as usize];
+                    let held = &mut fleet.routed_tokens[w as usize];
+                    *held = held.saturating_sub(r.prompt.isl_tokens + r.output_tokens);
                     router.on_finished(id, now)?;
                     fleet.finish_one(progress);
                 }
                 fleet.start_step(w, t)?;
-                if !report.first_tokens.is_empty() {
-                    // Prefill completed: capacity for waiting requests, maybe.
+                if !report.first_tokens.is_empty() || !report.finished.is_empty() {
+                    // Prefill completed or a request left: room for waiting requests, maybe.
                     fleet.release(router.as_mut(), &mut rng, t, now, progress)?;
                 }
             }
@@ -370,6 +377,9 @@ struct Fleet<'a> {
     /// Prompt tokens routed to each worker whose first token has not come: the queue's view of
     /// its active prefill (the same for every policy).
     routed_prefill: Vec<u64>,
+    /// Prompt and output tokens of the requests routed to each worker and not finished: the
+    /// KV memory they will hold at most.
+    routed_tokens: Vec<u64>,
     done: usize,
 }
 
@@ -396,9 +406,20 @@ impl Fleet<'_> {
             return false;
         };
         let capacity = Some(self.config.engine.max_num_batched_tokens);
+        let kv_tokens = self
+            .config
+            .engine
+            .kv_blocks
+            .map(|b| b * u64::from(self.config.engine.block_size));
         self.routed_prefill
             .iter()
-            .all(|&p| over_threshold(q.threshold, p, capacity))
+            .zip(&self.routed_tokens)
+            .all(|(&p, &held)| {
+                over_threshold(q.threshold, p, capacity)
+                    || q.kv_threshold
+                        .zip(kv_tokens)
+                        .is_some_and(|(f, kv)| held as f64 > f * kv as f64)
+            })
     }
 
     /// An arriving request: routed at once, or queued behind the waiting ones while the fleet
@@ -493,6 +514,7 @@ impl Fleet<'_> {
         };
         engine.submit(id, request);
         self.routed_prefill[w] += request.prompt.isl_tokens;
+        self.routed_tokens[w] += request.prompt.isl_tokens + request.output_tokens;
         let outcome = &mut self.outcomes[id as usize];
         outcome.step_in_flight_wait = in_flight_wait;
         outcome.worker = Some(w as u32);

@@ -358,6 +358,7 @@ fn the_router_queue_holds_requests_while_the_fleet_is_full() {
         policy: QueuePolicy::Fcfs,
         max_requests: 10_000,
         timeout: None,
+        kv_threshold: None,
     };
     let config = SimConfig {
         workers: 2,
