@@ -122,6 +122,7 @@ struct ResolvedSelect {
     hashes: PromptHashes,
     lora_name: Option<String>,
     overrides: kvroute_core::schedule::Overrides,
+    routing_constraints: Option<kvroute_core::selector::RoutingConstraints>,
 }
 
 fn resolve_select(state: &AppState, body: &mut SelectBody) -> Result<ResolvedSelect, ApiError> {
@@ -141,6 +142,7 @@ fn resolve_select(state: &AppState, body: &mut SelectBody) -> Result<ResolvedSel
         hashes,
         lora_name: prompt.lora_name,
         overrides,
+        routing_constraints: body.routing_constraints.take(),
     })
 }
 
@@ -155,6 +157,7 @@ impl ResolvedSelect {
             overrides: self.overrides,
             pinned_worker: body.pinned(),
             allowed_worker_ids: body.allowed_worker_ids.as_deref(),
+            routing_constraints: self.routing_constraints.as_ref(),
             advisory,
         }
     }

@@ -5,12 +5,12 @@ use kvroute_core::error::{Error, PartitionKey, check_id};
 use kvroute_core::hash::{BlockExtras, BlockMmInfo, MmObject, PromptHashes};
 use kvroute_core::schedule::Overrides;
 use kvroute_core::selector::{
-    CacheModelReport, OverlapScores, PartitionLoads, PinnedWorker, RankLoadReport, Reservation,
-    Selection, WorkerRecord, WorkerSpec,
+    CacheModelReport, KvTransferEnforcement, OverlapScores, PartitionLoads, PinnedWorker,
+    RankLoadReport, Reservation, Selection, WorkerRecord, WorkerSpec,
 };
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::{Value, json};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 fn default_name() -> String {
     "default".to_string()
@@ -271,6 +271,36 @@ impl PromptBody {
     }
 }
 
+/// Dynamo's `routing_constraints`, named as Dynamo's type is, for serde's messages (`expected
+/// struct RoutingConstraints`). As any derived struct it is also accepted as a sequence of its
+/// fields (`[["gpu=h100"]]`); `null` is not.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct RoutingConstraints {
+    #[serde(default)]
+    pub required_taints: Vec<String>,
+    #[serde(default)]
+    pub preferred_taints: BTreeMap<String, f32>,
+}
+
+impl RoutingConstraints {
+    /// The constraints, `None` when they name no taint (nothing to check per candidate).
+    pub fn take(&mut self) -> Option<kvroute_core::selector::RoutingConstraints> {
+        let constraints = kvroute_core::selector::RoutingConstraints {
+            required_taints: std::mem::take(&mut self.required_taints)
+                .into_iter()
+                .collect(),
+            preferred_taints: std::mem::take(&mut self.preferred_taints),
+        };
+        (!constraints.is_empty()).then_some(constraints)
+    }
+}
+
+/// For optional fields that may be absent but not `null` (Dynamo's defaulted fields): absent is
+/// `None` (with `#[serde(default)]`), `null` is the inner type's error.
+fn present<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Option<T>, D::Error> {
+    T::deserialize(d).map(Some)
+}
+
 #[derive(Debug, Clone, Deserialize)]
 pub struct PinnedBody {
     pub worker_id: u64,
@@ -338,6 +368,8 @@ pub struct SelectBody {
     pub router_config_override: Option<OverrideBody>,
     pub pinned_worker: Option<PinnedBody>,
     pub allowed_worker_ids: Option<Vec<u64>>,
+    #[serde(default)]
+    pub routing_constraints: RoutingConstraints,
     #[serde(default)]
     pub advisory: bool,
 }
@@ -442,6 +474,31 @@ pub struct WorkerBody {
     pub kv_events_endpoint: Option<String>,
     pub kv_events_endpoints: Option<BTreeMap<String, String>>,
     pub replay_endpoint: Option<String>,
+    /// A set: duplicates merge, and records list it sorted.
+    #[serde(default, deserialize_with = "present")]
+    pub taints: Option<BTreeSet<String>>,
+    #[serde(default, deserialize_with = "present")]
+    pub topology_domains: Option<BTreeMap<String, String>>,
+    pub kv_transfer_domain: Option<String>,
+    pub kv_transfer_enforcement: Option<EnforcementBody>,
+    pub kv_transfer_preferred_weight: Option<f32>,
+}
+
+/// `kv_transfer_enforcement`.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EnforcementBody {
+    Required,
+    Preferred,
+}
+
+impl From<EnforcementBody> for KvTransferEnforcement {
+    fn from(e: EnforcementBody) -> Self {
+        match e {
+            EnforcementBody::Required => KvTransferEnforcement::Required,
+            EnforcementBody::Preferred => KvTransferEnforcement::Preferred,
+        }
+    }
 }
 
 impl WorkerBody {
@@ -486,6 +543,11 @@ impl WorkerBody {
             kv_events_endpoint: self.kv_events_endpoint,
             kv_events_endpoints: endpoints,
             replay_endpoint: self.replay_endpoint,
+            taints: self.taints.unwrap_or_default(),
+            topology_domains: self.topology_domains.unwrap_or_default(),
+            kv_transfer_domain: self.kv_transfer_domain,
+            kv_transfer_enforcement: self.kv_transfer_enforcement.map(Into::into),
+            kv_transfer_preferred_weight: self.kv_transfer_preferred_weight,
         })
     }
 
@@ -505,13 +567,31 @@ impl WorkerBody {
             total_kv_blocks,
             max_num_batched_tokens,
             kv_events_endpoint,
-            replay_endpoint
+            replay_endpoint,
+            kv_transfer_domain,
+            kv_transfer_preferred_weight
         );
+        if let Some(taints) = self.taints {
+            spec.taints = taints;
+        }
+        if let Some(domains) = self.topology_domains {
+            spec.topology_domains = domains;
+        }
+        if let Some(enforcement) = self.kv_transfer_enforcement {
+            spec.kv_transfer_enforcement = Some(enforcement.into());
+        }
         Ok(spec)
     }
 }
 
-/// The worker record, with Dynamo's fields (the ones kvroute does not use are constant).
+/// The `f64` an `f32` reads as: 0.85f32 is 0.8500000238418579 widened, but `0.85` in Dynamo's
+/// JSON (serde writes an `f32` in its own shortest form), and here. Infinite stays infinite.
+fn f32_as_written(value: f32) -> f64 {
+    value.to_string().parse().unwrap_or(f64::from(value))
+}
+
+/// The worker record, with Dynamo's fields (`stable_routing_id` and `is_eagle`, which kvroute
+/// does not read, are always `null`). `taints` are listed sorted (Dynamo: in no fixed order).
 pub fn worker_json(record: &WorkerRecord) -> Value {
     let s = &record.spec;
     let mut v = json!({
@@ -529,11 +609,11 @@ pub fn worker_json(record: &WorkerRecord) -> Value {
         "total_kv_blocks": s.total_kv_blocks,
         "stable_routing_id": null,
         "is_eagle": null,
-        "taints": [],
-        "topology_domains": {},
-        "kv_transfer_domain": null,
-        "kv_transfer_enforcement": null,
-        "kv_transfer_preferred_weight": null,
+        "taints": s.taints,
+        "topology_domains": s.topology_domains,
+        "kv_transfer_domain": s.kv_transfer_domain,
+        "kv_transfer_enforcement": s.kv_transfer_enforcement.map(KvTransferEnforcement::as_str),
+        "kv_transfer_preferred_weight": s.kv_transfer_preferred_weight.map(f32_as_written),
     });
     if let Some(obj) = v.as_object_mut() {
         if !s.kv_events_endpoints.is_empty() {

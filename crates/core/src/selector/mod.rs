@@ -16,6 +16,7 @@
 //! | `catalog.rs` | workers and partitions: upsert, delete, lists, readiness, block sizes |
 //! | `events.rs` | engines' KV events and the approximate cache models of ranks without them |
 //! | `select.rs` | candidates, scoring and the pick: `select`, `select_and_reserve` |
+//! | `constraints.rs` | a request's required taints (a filter) and preferred taints (a cost factor) |
 //! | `reservations.rs` | bookings and their lifecycle calls ([`LifecycleCalls`]) |
 //! | `inspect.rs` | read-only views: `/loads`, `/potential_loads`, `/overlap_scores`, `/dump` |
 //! | `sync.rs` | bookings shared between replicas (SPEC §10) |
@@ -56,6 +57,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 mod catalog;
+mod constraints;
 mod events;
 mod inspect;
 mod predict;
@@ -65,6 +67,7 @@ mod sync;
 mod types;
 
 pub use catalog::check_zmq_endpoint;
+pub use constraints::RoutingConstraints;
 pub use predict::{
     DEFAULT_MAX_PREDICTED_BLOCKS, DEFAULT_PREDICTED_TTL, PredictConfig, PredictionCounters,
 };

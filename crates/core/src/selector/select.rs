@@ -81,7 +81,7 @@ impl Selector {
         let hashes = req.prompt.hash(block_size)?;
         let config = self.config.scheduler.with(&req.overrides);
 
-        let eligible: Vec<&WorkerRecord> = match (req.pinned_worker, req.allowed_worker_ids) {
+        let mut eligible: Vec<&WorkerRecord> = match (req.pinned_worker, req.allowed_worker_ids) {
             (Some(pin), _) => workers
                 .iter()
                 .copied()
@@ -95,6 +95,7 @@ impl Selector {
                 .collect(),
             (None, None) => workers,
         };
+        constraints::retain_admitted(&mut eligible, req.routing_constraints);
         if eligible.is_empty() {
             return Err(Error::NoEndpointsAvailable);
         }
@@ -124,7 +125,11 @@ impl Selector {
             }
             let costs: Vec<f64> = free
                 .iter()
-                .map(|&i| config.cost(&candidates[i].0, hashes.isl_tokens, block_size))
+                .map(|&i| {
+                    let (candidate, record) = &candidates[i];
+                    config.cost(candidate, hashes.isl_tokens, block_size)
+                        * constraints::cost_multiplier(req.routing_constraints, record)
+                })
                 .collect();
             let picked = pick(&costs, config.router_temperature, rng);
             // Dynamo 1.6.1 does not spread: its profile picks the cheapest on every replica.

@@ -973,6 +973,7 @@ fn load_state(s: &Selector) -> LoadState {
     (bookings, ranks)
 }
 
+mod constraints;
 mod decisions;
 mod predict;
 mod shared_lock;

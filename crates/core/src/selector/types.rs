@@ -1,15 +1,17 @@
 //! The selector's request and reply types: what the edges build from a request body and turn
 //! back into a response. Plain data; the behaviour lives in the sibling modules.
 
+use super::constraints::RoutingConstraints;
 use crate::approx::LruStats;
 use crate::error::{Error, PartitionKey};
 use crate::event::{KvEvent, Rank, WorkerId};
 use crate::hash::{BlockExtras, PromptHashes, seed_for};
 use crate::schedule::Overrides;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+// `PartialEq` only (no `Eq`): `kv_transfer_preferred_weight` is a float.
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct WorkerSpec {
     pub worker_id: WorkerId,
     pub model_name: String,
@@ -24,6 +26,33 @@ pub struct WorkerSpec {
     /// Global dp rank → ZMQ address.
     pub kv_events_endpoints: BTreeMap<u32, String>,
     pub replay_endpoint: Option<String>,
+    /// Labels a request's [`RoutingConstraints`] match, as plain strings (a set).
+    pub taints: BTreeSet<String>,
+    /// Logical topology domain → this worker's value in it (`{"zone": "a"}`). Kept and echoed;
+    /// as in Dynamo 1.6.1 they do not become taints and do not steer routing.
+    pub topology_domains: BTreeMap<String, String>,
+    /// Dynamo's KV-transfer policy for disaggregated prefill/decode: kept and echoed, not used
+    /// (kvroute selects one worker per request; Dynamo 1.6.1's selection service does not apply
+    /// them either).
+    pub kv_transfer_domain: Option<String>,
+    pub kv_transfer_enforcement: Option<KvTransferEnforcement>,
+    pub kv_transfer_preferred_weight: Option<f32>,
+}
+
+/// Whether a KV transfer must stay within the worker's `kv_transfer_domain` or only prefers to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvTransferEnforcement {
+    Required,
+    Preferred,
+}
+
+impl KvTransferEnforcement {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KvTransferEnforcement::Required => "required",
+            KvTransferEnforcement::Preferred => "preferred",
+        }
+    }
 }
 
 impl WorkerSpec {
@@ -79,7 +108,7 @@ impl Lifecycle {
 }
 
 /// A catalog record: the spec plus whether the worker can take work, and why not.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct WorkerRecord {
     pub spec: WorkerSpec,
     pub lifecycle: Lifecycle,
@@ -87,7 +116,7 @@ pub struct WorkerRecord {
 }
 
 /// What an upsert changed, so the edge can (re)start or stop KV-event listeners.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct UpsertOutcome {
     pub record: WorkerRecord,
     /// The worker's event endpoints, ranks, partition or lifecycle changed (or it is new): its
@@ -172,6 +201,8 @@ pub struct SelectRequest<'a> {
     pub overrides: Overrides,
     pub pinned_worker: Option<PinnedWorker>,
     pub allowed_worker_ids: Option<&'a [WorkerId]>,
+    /// Required and preferred worker taints (`constraints.rs`).
+    pub routing_constraints: Option<&'a RoutingConstraints>,
     pub advisory: bool,
 }
 
@@ -186,6 +217,7 @@ impl<'a> SelectRequest<'a> {
             overrides: Overrides::default(),
             pinned_worker: None,
             allowed_worker_ids: None,
+            routing_constraints: None,
             advisory: false,
         }
     }
@@ -225,7 +257,7 @@ pub struct Selection {
     ///
     /// The candidates are the ranks the selector was allowed to choose from: the partition's
     /// schedulable workers after `pinned_worker` / `allowed_worker_ids` (and a pinned
-    /// `dp_rank`), busy ranks included. Ranks the caller excluded are left out, because they
+    /// `dp_rank`) and the required taints, busy ranks included. Ranks the caller excluded are left out, because they
     /// were never the selector's to pick, and counting them would charge the router with the
     /// caller's constraints (a pinned rank would look like a bad choice). Busy ranks stay in: the
     /// busy thresholds and the cost are the selector's own decisions, and a busy rank that holds
@@ -349,7 +381,7 @@ pub struct OverlapScores {
     pub workers: Vec<RankOverlapScore>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ReadyState {
     pub ready: bool,
     pub schedulable_workers: usize,

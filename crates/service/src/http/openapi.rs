@@ -71,10 +71,11 @@ fn response_schemas() -> Value {
         "data_parallel_start_rank": int, "data_parallel_size": int,
         "max_num_batched_tokens": int, "total_kv_blocks": int,
         "stable_routing_id": unused("null"), "is_eagle": unused("null"),
-        "taints": {"type": "array", "items": anything, "description": "Dynamo field kvroute does not use: always []"},
-        "topology_domains": with(anything.clone(), json!({"description": "Dynamo field kvroute does not use: always {}"})),
-        "kv_transfer_domain": unused("null"), "kv_transfer_enforcement": unused("null"),
-        "kv_transfer_preferred_weight": unused("null")
+        "taints": {"type": "array", "items": string, "description": "sorted"},
+        "topology_domains": {"type": "object", "additionalProperties": string},
+        "kv_transfer_domain": {"type": "string", "nullable": true},
+        "kv_transfer_enforcement": {"type": "string", "enum": ["required", "preferred"], "nullable": true},
+        "kv_transfer_preferred_weight": {"type": "number", "nullable": true}
     }));
     let overlap = object(json!({
         "longest_matched": int, "gpu": int, "cpu": int, "disk": int,
@@ -217,6 +218,9 @@ pub fn document() -> Value {
             "allowed_worker_ids".into(),
             json!({"type": "array", "items": {"type": "integer"}}),
         );
+        s.insert("routing_constraints".into(), json!({"type": "object", "description": "Worker taints to require and to prefer (select and select_and_reserve). None left after required_taints → 503. A worker's cost is multiplied by exp(−tanh(sum of the weights of the preferred taints it carries)).", "properties": {
+            "required_taints": {"type": "array", "items": {"type": "string"}, "default": [], "description": "a worker must carry every one"},
+            "preferred_taints": {"type": "object", "additionalProperties": {"type": "number"}, "default": {}, "description": "taint → signed weight: positive prefers the workers carrying it, negative avoids them"}}}));
         s.insert(
             "advisory".into(),
             json!({"type": "boolean", "default": false}),
@@ -298,7 +302,12 @@ pub fn document() -> Value {
                     "max_num_batched_tokens": {"type": "integer"},
                     "kv_events_endpoint": {"type": "string", "description": "ZMQ PUB address, e.g. tcp://127.0.0.1:5557"},
                     "kv_events_endpoints": {"type": "object", "additionalProperties": {"type": "string"}, "description": "global dp rank → ZMQ address"},
-                    "replay_endpoint": {"type": "string"}}}
+                    "replay_endpoint": {"type": "string"},
+                    "taints": {"type": "array", "items": {"type": "string"}, "default": [], "description": "labels routing_constraints match (a set; PATCH replaces it)"},
+                    "topology_domains": {"type": "object", "additionalProperties": {"type": "string"}, "default": {}, "description": "domain → value, e.g. {\"zone\": \"a\"}; echoed, not used for routing (not turned into taints)"},
+                    "kv_transfer_domain": {"type": "string", "description": "echoed, not used"},
+                    "kv_transfer_enforcement": {"type": "string", "enum": ["required", "preferred"], "description": "echoed, not used"},
+                    "kv_transfer_preferred_weight": {"type": "number", "description": "echoed, not used"}}}
             }
         }
     });

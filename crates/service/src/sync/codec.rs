@@ -315,6 +315,42 @@ mod tests {
         }
     }
 
+    /// A worker as the catalog bucket carries it (its record's JSON, read back as a `POST
+    /// /workers` body) is the same worker on the other replica: routing constraints included.
+    #[test]
+    fn catalog_entries_carry_the_whole_worker() {
+        use crate::types::{WorkerBody, worker_json};
+        use kvroute_core::selector::{KvTransferEnforcement, Lifecycle, WorkerRecord, WorkerSpec};
+        let spec = WorkerSpec {
+            worker_id: 5,
+            model_name: "m".into(),
+            routing_group: "g".into(),
+            endpoint: Some("http://w5".into()),
+            block_size: Some(16),
+            data_parallel_size: Some(2),
+            kv_events_endpoints: [(0, "tcp://h:1".into()), (1, "tcp://h:2".into())].into(),
+            taints: ["gpu=h100".to_string(), "a".to_string()].into(),
+            topology_domains: [("zone".to_string(), "a".to_string())].into(),
+            kv_transfer_domain: Some("zone".into()),
+            kv_transfer_enforcement: Some(KvTransferEnforcement::Preferred),
+            kv_transfer_preferred_weight: Some(0.85),
+            ..WorkerSpec::default()
+        };
+        let record = WorkerRecord {
+            spec: spec.clone(),
+            lifecycle: Lifecycle::Schedulable,
+            not_schedulable_reasons: Vec::new(),
+        };
+        let message = CatalogMessage {
+            origin: Origin::new("r1", 1),
+            worker: worker_json(&record),
+        };
+        let bytes = serde_json::to_vec(&message).unwrap();
+        let back: CatalogMessage = serde_json::from_slice(&bytes).unwrap();
+        let body: WorkerBody = serde_json::from_value(back.worker).unwrap();
+        assert_eq!(body.into_spec().unwrap(), spec);
+    }
+
     #[test]
     fn messages_round_trip() {
         let state = SyncedBooking {

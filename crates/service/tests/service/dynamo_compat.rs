@@ -554,3 +554,222 @@ async fn multimodal_exchanges_replay_with_the_recorded_events() {
     );
     assert_eq!(deviations_seen, MULTIMODAL_DEVIATIONS.len());
 }
+
+// ---------------------------------------------------------------------------------------------
+// Routing constraints (`constraints.json`): worker taints, required and preferred taints
+
+/// Exchanges of `constraints.json` that are not sent: they need session affinity
+/// (`session_id`, bound by an earlier booking), which kvroute does not implement yet.
+const CONSTRAINTS_SKIPPED: &[(&str, &str)] = &[
+    (
+        "t_select_preferred_away_from_bound_worker",
+        "needs session affinity: Dynamo keeps a bound session on its worker whatever the preferred taints",
+    ),
+    (
+        "t_select_and_reserve_required_excludes_bound_worker",
+        "needs session affinity: Dynamo refuses (400) a booking whose required taints exclude the session's worker",
+    ),
+];
+
+const CEIL: &str = "SPEC §7.8: blocks are counted with ceil(isl / block_size) in every route (Dynamo floors /loads, /potential_loads and the booked decode blocks)";
+
+/// Fields of `constraints.json` answers where kvroute differs from Dynamo 1.6.1 on purpose:
+/// `(exchange, field)`, left out of the comparison (at any depth).
+const CONSTRAINTS_DEVIATIONS: &[(&str, &str, &str)] = &[
+    (
+        "potential_loads_ignore_constraints",
+        "potential_decode_blocks",
+        CEIL,
+    ),
+    // Worker 1 holds the session's 17-token booking: 5 blocks booked, not 4.
+    ("t_select_after", "potential_decode_blocks", CEIL),
+    (
+        "t_select_after_rejected_reserve",
+        "potential_decode_blocks",
+        CEIL,
+    ),
+];
+
+/// `value` without `field`, at any depth.
+fn without(value: &Value, field: &str) -> Value {
+    match value {
+        Value::Object(map) => Value::Object(
+            map.iter()
+                .filter(|(k, _)| *k != field)
+                .map(|(k, v)| (k.clone(), without(v, field)))
+                .collect(),
+        ),
+        Value::Array(items) => Value::Array(items.iter().map(|v| without(v, field)).collect()),
+        other => other.clone(),
+    }
+}
+
+/// `ours` has every field of `theirs` with an equal value (numbers compared as numbers), arrays
+/// element by element. `None` when they agree, else where they first differ.
+fn value_mismatch(theirs: &Value, ours: &Value, path: &str) -> Option<String> {
+    match (theirs, ours) {
+        (Value::Object(t), Value::Object(o)) => t.iter().find_map(|(k, tv)| match o.get(k) {
+            None => Some(format!("{path}.{k} missing")),
+            Some(ov) => value_mismatch(tv, ov, &format!("{path}.{k}")),
+        }),
+        (Value::Array(t), Value::Array(o)) if t.len() == o.len() => t
+            .iter()
+            .zip(o)
+            .enumerate()
+            .find_map(|(i, (tv, ov))| value_mismatch(tv, ov, &format!("{path}[{i}]"))),
+        (Value::Number(t), Value::Number(o)) if t.as_f64() == o.as_f64() => None,
+        (t, o) if t == o => None,
+        (t, o) => Some(format!("{path}: Dynamo has {t}, kvroute has {o}")),
+    }
+}
+
+/// An answer in a comparable form: worker taints sorted (Dynamo lists the set in any order),
+/// lists of workers or ranks sorted by partition, worker and rank, and the fake engines'
+/// addresses replaced by the ones the capture registered.
+fn normalized(value: &Value, addresses: &std::collections::HashMap<String, Value>) -> Value {
+    let key = |v: &Value| {
+        (
+            v["model_name"].as_str().unwrap_or("").to_string(),
+            v["worker_id"].as_u64().unwrap_or(0),
+            v["dp_rank"].as_u64().unwrap_or(0),
+        )
+    };
+    match value {
+        Value::Object(map) => Value::Object(
+            map.iter()
+                .map(|(k, v)| {
+                    let v = match (k.as_str(), v) {
+                        ("taints", Value::Array(taints)) => {
+                            let mut taints = taints.clone();
+                            taints.sort_by(|a, b| a.as_str().cmp(&b.as_str()));
+                            Value::Array(taints)
+                        }
+                        ("kv_events_endpoint", Value::String(address)) => {
+                            addresses.get(address).cloned().unwrap_or_else(|| v.clone())
+                        }
+                        _ => normalized(v, addresses),
+                    };
+                    (k.clone(), v)
+                })
+                .collect(),
+        ),
+        Value::Array(items) => {
+            let mut items: Vec<Value> = items.iter().map(|v| normalized(v, addresses)).collect();
+            if items.iter().all(|v| v["worker_id"].is_u64()) {
+                items.sort_by_key(key);
+            }
+            Value::Array(items)
+        }
+        other => other.clone(),
+    }
+}
+
+/// Dynamo's routing-constraints scenario, replayed with worker 1's recorded cache (16 of the 17
+/// prompt tokens): every status, every worker record (taints as a set), every select's worker,
+/// rank and overlap — so every decision the required filter and the preferred multiplier made —
+/// and every error text (less its position), under `--router-profile dynamo`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn constraints_exchanges_replay_with_dynamo_decisions() {
+    use kvroute_testkit::fake_engine::FakeEngine;
+    use kvroute_wire::Encoding;
+    use serde_json::json;
+    use std::collections::HashMap;
+    use std::time::Duration;
+
+    let text = std::fs::read_to_string(fixtures().join("constraints.json")).expect("fixture");
+    let doc: Value = serde_json::from_str(&text).expect("fixture json");
+    let config = ServeConfig::parse_from(["kvroute", "--router-profile", "dynamo"])
+        .expect("the dynamo profile");
+    let app = TestApp::with_config(config);
+    let tokens: Vec<u32> = (1..=17).collect();
+    let mut engines: HashMap<u64, FakeEngine> = HashMap::new();
+    // Each fake engine's address → the address the capture registered.
+    let mut addresses: HashMap<String, Value> = HashMap::new();
+    let (mut report, mut compared, mut skipped, mut deviations_seen) = (Vec::new(), 0, 0, 0);
+    for ex in doc["exchanges"].as_array().expect("exchanges") {
+        let name = ex["name"].as_str().expect("name");
+        if CONSTRAINTS_SKIPPED.iter().any(|(n, _)| *n == name) {
+            skipped += 1;
+            continue;
+        }
+        let path = ex["path"].as_str().expect("path");
+        let want = ex["status"].as_u64().expect("status") as u16;
+        let mut request = ex["request"].clone();
+        if let (Some(recorded), Some(worker)) = (
+            request["kv_events_endpoint"].as_str().map(str::to_string),
+            request["worker_id"].as_u64().filter(|_| want == 201),
+        ) {
+            let engine = FakeEngine::bind("tcp://127.0.0.1:0", None, Encoding::Array)
+                .await
+                .expect("fake engine");
+            request["kv_events_endpoint"] = json!(engine.pub_endpoint());
+            addresses.insert(engine.pub_endpoint().to_string(), json!(recorded));
+            engines.insert(worker, engine);
+        }
+        if name == "no_constraints" {
+            // Worker 1 holds the prompt's 4 full blocks, as the capture published them.
+            let batch = capture_batch(&[1001, 1002, 1003, 1004], &tokens[..16], None, None);
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            loop {
+                let worker_1 = engines.get_mut(&1).expect("worker 1's engine");
+                worker_1
+                    .publish_payload(batch.clone())
+                    .await
+                    .expect("publish");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                let scores = app
+                    .post("/overlap_scores", json!({"token_ids": tokens}))
+                    .await;
+                if overlap_by_worker(&scores.body).get(&1) == Some(&json!([4, 4, 4])) {
+                    break;
+                }
+                assert!(std::time::Instant::now() < deadline, "events never indexed");
+            }
+        }
+        let method =
+            Method::from_bytes(ex["method"].as_str().expect("method").as_bytes()).expect("method");
+        let body = (!request.is_null()).then_some(request);
+        let reply = app.call(method, path, body).await;
+        compared += 1;
+        let problem = if reply.status.as_u16() != want {
+            Some(format!(
+                "status {} (Dynamo {want}): {}",
+                reply.status, reply.text
+            ))
+        } else if want < 300 {
+            let (mut theirs, mut ours) = (
+                normalized(&ex["response"], &addresses),
+                normalized(&reply.body, &addresses),
+            );
+            for (_, field, _) in CONSTRAINTS_DEVIATIONS.iter().filter(|(n, ..)| *n == name) {
+                (theirs, ours) = (without(&theirs, field), without(&ours, field));
+                deviations_seen += 1;
+            }
+            value_mismatch(&theirs, &ours, "")
+        } else {
+            let strip = |m: &Value| {
+                let m = m["error"].as_str().unwrap_or("");
+                m.split(" at line ").next().unwrap_or("").to_string()
+            };
+            let (theirs, ours) = (strip(&ex["response"]), strip(&reply.body));
+            (theirs != ours).then(|| format!("message {ours:?} (Dynamo {theirs:?})"))
+        };
+        if let Some(problem) = problem {
+            report.push(format!("{name}: {problem}"));
+        }
+        if name == "t_select_after_rejected_reserve" {
+            // The capture freed the session's bookings here, unrecorded.
+            for id in ["t-1", "t-2"] {
+                app.delete(&format!("/reservations/{id}")).await;
+            }
+        }
+    }
+    assert_eq!(skipped, CONSTRAINTS_SKIPPED.len());
+    assert_eq!(deviations_seen, CONSTRAINTS_DEVIATIONS.len());
+    assert!(compared >= 70, "{compared} exchanges");
+    assert!(
+        report.is_empty(),
+        "differences from Dynamo's routing-constraints exchanges:\n{}",
+        report.join("\n")
+    );
+}

@@ -692,3 +692,62 @@ async fn restart_recovery_time_with_thousands_of_bookings_and_events() {
     drop(a.tasks);
     drop(b.tasks);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Routing constraints travel with the catalog
+
+/// A worker's taints, topology domains and KV-transfer fields reach the other replica with the
+/// rest of its record, a PATCH of them too, and the other replica's selects honour them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_taints_travel_with_the_catalog() {
+    let nats = Nats::start();
+    let a = replica(&nats, "a", &[]).await;
+    let b = replica(&nats, "b", &[]).await;
+    let mut tainted = worker(2);
+    tainted["taints"] = json!(["gpu=h100", "pref"]);
+    tainted["topology_domains"] = json!({"zone": "a"});
+    tainted["kv_transfer_domain"] = json!("zone");
+    tainted["kv_transfer_enforcement"] = json!("preferred");
+    tainted["kv_transfer_preferred_weight"] = json!(0.85);
+    for body in [worker(1), tainted] {
+        let reply = a.app.post("/workers", body).await;
+        assert_eq!(reply.status, 201, "{}", reply.text);
+    }
+    eventually("B gets A's catalog", || workers(b.state()) == vec![1, 2]).await;
+    let listed = a.app.get("/workers").await.body;
+    assert_eq!(listed[1]["kv_transfer_preferred_weight"], json!(0.85));
+    assert_eq!(b.app.get("/workers").await.body, listed);
+
+    let select = |taint: &str| {
+        json!({"model_name": MODEL, "token_ids": tokens(1, 9),
+               "routing_constraints": {"required_taints": [taint]}})
+    };
+    let reply = b.app.post("/select", select("gpu=h100")).await;
+    assert_eq!(
+        (reply.status.as_u16(), reply.body["worker_id"].clone()),
+        (200, json!(2))
+    );
+
+    let reply = a
+        .app
+        .call(
+            axum::http::Method::PATCH,
+            "/workers/2",
+            Some(json!({"taints": ["gpu=a100"]})),
+        )
+        .await;
+    assert_eq!(reply.body["taints"], json!(["gpu=a100"]), "{}", reply.text);
+    eventually("the PATCH travels", || {
+        b.state()
+            .selector
+            .read()
+            .worker(2)
+            .is_some_and(|r| r.spec.taints.contains("gpu=a100"))
+    })
+    .await;
+    assert_eq!(b.app.post("/select", select("gpu=h100")).await.status, 503);
+    let reply = b.app.post("/select", select("gpu=a100")).await;
+    assert_eq!(reply.body["worker_id"], json!(2), "{}", reply.text);
+    drop(a.tasks);
+    drop(b.tasks);
+}

@@ -280,7 +280,11 @@ fn the_recorder_finds_nested_structs_and_aliases() {
         structs[&vec!["mm_routing_info", "block_mm_infos", "mm_objects"]].0,
         "MmObjectBody"
     );
-    assert_eq!(structs.len(), 8);
+    assert_eq!(
+        structs[&vec!["routing_constraints"]].0,
+        "RoutingConstraints"
+    );
+    assert_eq!(structs.len(), 9);
 }
 
 // ---------------------------------------------------------------------------------------------
