@@ -7,9 +7,13 @@
 //! ([`over_threshold`]) and when to take the next request out (after a booking's prefill
 //! completes or it is freed); the queue decides which one.
 //!
-//! - **Order inside a tenant**: a static key per request, smaller first ([`QueuePolicy`]); ties
-//!   by arrival order. `priority_jump` (seconds) counts a request as having arrived that much
-//!   earlier (`fcfs`, `wspt`) or later (`lcfs`).
+//! - **Order inside a tenant**, as Dynamo 1.6.1 orders its queue (recorded in
+//!   `crates/service/tests/fixtures/dynamo/queue.json`): `strict_priority` first (higher
+//!   first), then the policy's score (higher first, [`QueuePolicy`]), then enqueue order. A
+//!   negative `priority_jump` counts as 0.
+//! - **Aging** (kvroute's addition): a request that has waited `max_wait_before_promotion` is
+//!   taken before its tenant's others, oldest first, whatever its order: no policy or priority
+//!   starves a request (Dynamo's `wspt` can hold a long prompt forever).
 //! - **Between tenants**: deficit round robin over prompt tokens. Each tenant with waiting
 //!   requests gets `weight × quantum_tokens` of credit per round and sends requests while its
 //!   credit covers their prompts, so a tenant flooding the queue gets its weight's share of the
@@ -25,15 +29,13 @@ use std::time::{Duration, Instant};
 /// The order of waiting requests inside a tenant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum QueuePolicy {
-    /// First come, first served: by arrival (minus `priority_jump`).
+    /// First come, first served: score `priority_jump − arrival` (seconds).
     #[default]
     Fcfs,
-    /// Last come, first served: the newest (plus `priority_jump`) first.
+    /// Last come, first served: score `priority_jump + arrival`.
     Lcfs,
-    /// Weighted shortest processing time: shorter prompts first, with aging: a prompt's key is
-    /// its arrival plus `wspt_aging_per_token` per prompt token, so a long prompt is passed only
-    /// by requests that arrived less than its length's worth of aging after it, and never
-    /// starves.
+    /// Weighted shortest processing time: score `(1 + priority_jump) ÷ max(uncached tokens, 1)`,
+    /// the prompt's tokens not cached on its best rank when it was queued.
     Wspt,
 }
 
@@ -77,8 +79,8 @@ pub struct QueueConfig {
     pub max_requests: usize,
     /// How long a request may wait unless it says otherwise; `None`: until decided.
     pub timeout: Option<Duration>,
-    /// `wspt`'s aging: the waiting one prompt token is worth.
-    pub wspt_aging_per_token: Duration,
+    /// A request that has waited this long goes before its tenant's others (oldest first).
+    pub max_wait_before_promotion: Duration,
     /// Deficit round robin credit per round and unit of weight, in prompt tokens.
     pub quantum_tokens: u64,
     /// Tenants' weights (absent: [`QueueConfig::default_weight`]).
@@ -93,8 +95,7 @@ impl Default for QueueConfig {
             policy: QueuePolicy::Fcfs,
             max_requests: 10_000,
             timeout: None,
-            // 10 µs a token: a 10,000-token prompt yields to prompts arriving up to 0.1 s after it.
-            wspt_aging_per_token: Duration::from_micros(10),
+            max_wait_before_promotion: Duration::from_secs(10),
             // A turn's credit covers one prompt of a 64k-token context, so every turn admits
             // something and a light tenant's burst waits a few turns, not one per 8k tokens.
             quantum_tokens: 65_536,
@@ -118,9 +119,14 @@ pub fn over_threshold(
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct QueueOrder {
     pub arrived: Instant,
+    /// The prompt's tokens (`pending_isl_tokens`, the round-robin cost)...
     pub isl_tokens: u64,
-    /// Seconds to move the request ahead (`priority_jump`); negative moves it back.
+    /// ...and those not cached on its best rank when queued (`wspt`).
+    pub uncached_tokens: u64,
+    /// Seconds to move the request ahead (`priority_jump`); below 0 counts as 0.
     pub priority_jump: f64,
+    /// Higher goes first, before any score (`strict_priority`).
+    pub strict_priority: u32,
     /// Its own wait bound (`None`: the queue's).
     pub timeout: Option<Duration>,
 }
@@ -147,17 +153,40 @@ pub struct Dequeued<T> {
 #[derive(Debug)]
 struct Waiting<T> {
     tenant: String,
+    key: Key,
     order: QueueOrder,
     deadline: Option<Instant>,
     payload: T,
 }
 
-/// Nanoseconds relative to the queue's first arrival: the static sort key.
-type Key = i128;
+/// The sort key, smaller first: `strict_priority` reversed, then the score reversed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Key {
+    strict: std::cmp::Reverse<u32>,
+    score: f64,
+}
+
+impl Eq for Key {}
+
+impl PartialOrd for Key {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Key {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.strict
+            .cmp(&other.strict)
+            .then_with(|| other.score.total_cmp(&self.score))
+    }
+}
 
 #[derive(Debug, Default)]
 struct Tenant {
     entries: BTreeSet<(Key, Ticket)>,
+    /// The same requests by arrival, for aging.
+    by_arrival: BTreeSet<(Instant, Ticket)>,
     deficit: u64,
 }
 
@@ -220,26 +249,24 @@ impl<T> AdmissionQueue<T> {
 
     fn key(&mut self, order: &QueueOrder) -> Key {
         let origin = *self.origin.get_or_insert(order.arrived);
-        let since = |t: Instant| -> i128 {
-            if t >= origin {
-                t.duration_since(origin).as_nanos() as i128
-            } else {
-                -(origin.duration_since(t).as_nanos() as i128)
-            }
+        let arrived = if order.arrived >= origin {
+            order.arrived.duration_since(origin).as_secs_f64()
+        } else {
+            -origin.duration_since(order.arrived).as_secs_f64()
         };
         let jump = if order.priority_jump.is_finite() {
-            (order.priority_jump * 1e9) as i128
+            order.priority_jump.max(0.0)
         } else {
-            0
+            0.0
         };
-        let arrived = since(order.arrived);
-        match self.config.policy {
-            QueuePolicy::Fcfs => arrived - jump,
-            QueuePolicy::Lcfs => -(arrived + jump),
-            QueuePolicy::Wspt => {
-                let aging = self.config.wspt_aging_per_token.as_nanos() as i128;
-                arrived - jump + aging * i128::from(order.isl_tokens)
-            }
+        let score = match self.config.policy {
+            QueuePolicy::Fcfs => jump - arrived,
+            QueuePolicy::Lcfs => jump + arrived,
+            QueuePolicy::Wspt => (1.0 + jump) / order.uncached_tokens.max(1) as f64,
+        };
+        Key {
+            strict: std::cmp::Reverse(order.strict_priority),
+            score,
         }
     }
 
@@ -271,11 +298,13 @@ impl<T> AdmissionQueue<T> {
             self.rounds.push_back(tenant.to_string());
         }
         entry.entries.insert((key, ticket));
+        entry.by_arrival.insert((order.arrived, ticket));
         self.isl_tokens += order.isl_tokens;
         self.waiting.insert(
             ticket,
             Waiting {
                 tenant: tenant.to_string(),
+                key,
                 order,
                 deadline,
                 payload,
@@ -295,9 +324,11 @@ impl<T> AdmissionQueue<T> {
         )
     }
 
-    /// Takes the next request out: the tenant whose turn it is in the deficit round robin, and
-    /// its first request in the policy's order.
-    pub fn pop(&mut self) -> Option<Dequeued<T>> {
+    /// Takes the next request out at `now`: the tenant whose turn it is in the deficit round
+    /// robin, and its oldest request if that one has waited `max_wait_before_promotion`, else
+    /// its first in the policy's order.
+    pub fn pop(&mut self, now: Instant) -> Option<Dequeued<T>> {
+        let promote_after = self.config.max_wait_before_promotion;
         // Each turn adds a round's credit; a head costing more than that is sent once the
         // credit of several turns covers it, so this ends.
         loop {
@@ -309,7 +340,12 @@ impl<T> AdmissionQueue<T> {
                 tenant.deficit = tenant.deficit.saturating_add(grant);
                 self.turn_granted = true;
             }
-            let &(_, ticket) = tenant.entries.first()?;
+            let &(oldest, aged) = tenant.by_arrival.first()?;
+            let ticket = if now.saturating_duration_since(oldest) >= promote_after {
+                aged
+            } else {
+                tenant.entries.first()?.1
+            };
             let cost = self.waiting.get(&ticket)?.order.isl_tokens.max(1);
             let tenant = self.tenants.get_mut(&name)?;
             if tenant.deficit >= cost {
@@ -334,7 +370,8 @@ impl<T> AdmissionQueue<T> {
             self.deadlines.remove(&(d, ticket));
         }
         if let Some(tenant) = self.tenants.get_mut(&w.tenant) {
-            tenant.entries.retain(|&(_, t)| t != ticket);
+            tenant.by_arrival.remove(&(w.order.arrived, ticket));
+            tenant.entries.remove(&(w.key, ticket));
             if tenant.entries.is_empty() {
                 self.tenants.remove(&w.tenant);
                 if self.rounds.front() == Some(&w.tenant) {
@@ -383,9 +420,17 @@ mod tests {
         QueueOrder {
             arrived: at + Duration::from_millis(ms),
             isl_tokens: isl,
+            uncached_tokens: isl,
             priority_jump: 0.0,
+            strict_priority: 0,
             timeout: None,
         }
+    }
+
+    /// Pops at the time of the last arrival used in these tests (no request is aged).
+    fn soon(q: &AdmissionQueue<&'static str>) -> Instant {
+        q.origin
+            .map_or_else(Instant::now, |o| o + Duration::from_secs(1))
     }
 
     fn queue(policy: QueuePolicy) -> AdmissionQueue<&'static str> {
@@ -396,7 +441,8 @@ mod tests {
     }
 
     fn drain_names(q: &mut AdmissionQueue<&'static str>) -> Vec<&'static str> {
-        std::iter::from_fn(|| q.pop().map(|d| d.payload)).collect()
+        let now = soon(q);
+        std::iter::from_fn(|| q.pop(now).map(|d| d.payload)).collect()
     }
 
     #[test]
@@ -405,8 +451,6 @@ mod tests {
         for (policy, want) in [
             (QueuePolicy::Fcfs, vec!["a", "b", "c", "d"]),
             (QueuePolicy::Lcfs, vec!["d", "c", "b", "a"]),
-            // Aging 10 µs a token: 100,000 tokens are worth 1 s, so d (short, 3 ms after a)
-            // passes a and b, not c, which arrived 2 ms after a with 100 tokens.
             (QueuePolicy::Wspt, vec!["c", "d", "b", "a"]),
         ] {
             let mut q = queue(policy);
@@ -421,17 +465,91 @@ mod tests {
     }
 
     #[test]
-    fn wspt_aging_lets_a_long_prompt_pass_later_short_ones() {
+    fn a_request_waiting_past_the_promotion_bound_goes_first() {
         let t0 = Instant::now();
         let mut q = queue(QueuePolicy::Wspt);
-        // 10,000 tokens age for 100 ms: short prompts arriving 200 ms later go after it.
         q.push("t", order(t0, 0, 10_000), "long").unwrap();
-        q.push("t", order(t0, 50, 10), "early-short").unwrap();
-        q.push("t", order(t0, 200, 10), "late-short").unwrap();
+        q.push("t", order(t0, 50, 10), "short-1").unwrap();
+        q.push("t", order(t0, 9_000, 10), "short-2").unwrap();
+        // At 9.5 s nothing has waited 10 s: the shortest first.
         assert_eq!(
-            drain_names(&mut q),
-            vec!["early-short", "long", "late-short"]
+            q.pop(t0 + Duration::from_millis(9_500)).map(|d| d.payload),
+            Some("short-1")
         );
+        // At 10 s the long prompt has waited its bound: it passes the shorter one.
+        assert_eq!(
+            q.pop(t0 + Duration::from_secs(10)).map(|d| d.payload),
+            Some("long")
+        );
+        assert_eq!(
+            q.pop(t0 + Duration::from_secs(10)).map(|d| d.payload),
+            Some("short-2")
+        );
+    }
+
+    /// Dynamo 1.6.1's release orders, recorded from its select service
+    /// (`crates/service/tests/fixtures/dynamo/queue.json`, `orders`): each round's requests are
+    /// queued as sent and taken out one step at a time; a step that released several is
+    /// compared as a set.
+    #[test]
+    fn dynamo_release_orders_replay() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../service/tests/fixtures/dynamo/queue.json"
+        );
+        let doc: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let rounds = doc["orders"].as_array().unwrap();
+        assert!(rounds.len() >= 10);
+        for round in rounds {
+            let name = round["name"].as_str().unwrap();
+            let policy: QueuePolicy = round["policy"].as_str().unwrap().parse().unwrap();
+            let mut q: AdmissionQueue<String> = AdmissionQueue::new(QueueConfig {
+                policy,
+                ..QueueConfig::default()
+            });
+            let t0 = Instant::now();
+            for sent in round["sent"].as_array().unwrap() {
+                let isl = sent["isl_tokens"].as_u64().unwrap_or(16);
+                let cached = sent["cached_tokens"].as_u64().unwrap_or(0);
+                let order = QueueOrder {
+                    arrived: t0 + Duration::from_millis(sent["t_ms"].as_u64().unwrap()),
+                    isl_tokens: isl,
+                    uncached_tokens: isl - cached,
+                    priority_jump: sent["priority_jump"].as_f64().unwrap_or(0.0),
+                    strict_priority: sent["strict_priority"].as_u64().unwrap_or(0) as u32,
+                    timeout: None,
+                };
+                q.push("default", order, sent["name"].as_str().unwrap().to_string())
+                    .unwrap();
+            }
+            assert_eq!(
+                q.isl_tokens(),
+                round["pending_isl_tokens"].as_u64().unwrap(),
+                "{name}"
+            );
+            let now = t0 + Duration::from_secs(3);
+            for step in round["steps"].as_array().unwrap() {
+                let mut want: Vec<String> = step["completed"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|c| c["name"].as_str().unwrap().to_string())
+                    .collect();
+                let mut got: Vec<String> = (0..want.len())
+                    .map(|_| q.pop(now).unwrap().payload)
+                    .collect();
+                want.sort();
+                got.sort();
+                assert_eq!(got, want, "{name}");
+                assert_eq!(
+                    q.len() as u64,
+                    step["pending_count_after"].as_u64().unwrap(),
+                    "{name}"
+                );
+            }
+            assert!(q.is_empty(), "{name}");
+        }
     }
 
     #[test]
@@ -445,7 +563,21 @@ mod tests {
             ..order(t0, 900, 10)
         };
         q.push("t", jumped, "jumped").unwrap();
-        assert_eq!(drain_names(&mut q), vec!["jumped", "first", "second"]);
+        // A negative jump counts as 0; a strict priority goes before every score.
+        let back = QueueOrder {
+            priority_jump: -5.0,
+            ..order(t0, 950, 10)
+        };
+        q.push("t", back, "back").unwrap();
+        let strict = QueueOrder {
+            strict_priority: 1,
+            ..order(t0, 990, 10)
+        };
+        q.push("t", strict, "strict").unwrap();
+        assert_eq!(
+            drain_names(&mut q),
+            vec!["strict", "jumped", "first", "second", "back"]
+        );
     }
 
     #[test]
@@ -534,7 +666,7 @@ mod tests {
             vec!["c"]
         );
         assert!(q.is_empty());
-        assert_eq!(q.pop(), None);
+        assert_eq!(q.pop(t0), None);
     }
 
     #[test]

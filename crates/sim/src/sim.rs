@@ -439,10 +439,13 @@ impl Fleet<'_> {
             return self.dispatch(router, rng, id, t, now);
         };
         let request = &self.workload.requests[id as usize];
+        // The simulator's queue knows no cache: `wspt` orders by the whole prompt.
         let order = QueueOrder {
             arrived: now,
             isl_tokens: request.prompt.isl_tokens,
+            uncached_tokens: request.prompt.isl_tokens,
             priority_jump: 0.0,
+            strict_priority: 0,
             timeout: None,
         };
         match queue.push(&tenant_name(request.tenant), order, id) {
@@ -474,7 +477,7 @@ impl Fleet<'_> {
         }
         // A request routed to an idle fleet always finds room: an empty fleet is not saturated.
         while !self.saturated() {
-            let Some(next) = self.admission.as_mut().and_then(AdmissionQueue::pop) else {
+            let Some(next) = self.admission.as_mut().and_then(|q| q.pop(now)) else {
                 break;
             };
             self.outcomes[next.payload as usize].queued =
