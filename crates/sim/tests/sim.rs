@@ -148,13 +148,18 @@ fn small_fleet() -> SimConfig {
 }
 
 fn shared_prefix_workload(seed: u64) -> Workload {
+    shared_prefix_workload_at(40.0, seed)
+}
+
+/// 96 prompts of 2,304 tokens in 8 groups sharing 2,048, arriving at `rate_rps`.
+fn shared_prefix_workload_at(rate_rps: f64, seed: u64) -> Workload {
     let spec = SyntheticSpec {
         groups: 8,
         prompts_per_group: 12,
         system_prompt_tokens: 2_048,
         question_tokens: 256,
         output_tokens: 64,
-        rate_rps: 40.0,
+        rate_rps,
         seed,
     };
     synthetic_workload(&spec, 64, &ArrivalOptions::default()).unwrap()
@@ -343,16 +348,7 @@ fn the_router_queue_holds_requests_while_the_fleet_is_full() {
     use kvroute_core::admission::QueuePolicy;
     use kvroute_sim::sim::{Shed, SimQueue};
     use std::time::Duration;
-    let spec = SyntheticSpec {
-        groups: 8,
-        prompts_per_group: 12,
-        system_prompt_tokens: 2_048,
-        question_tokens: 256,
-        output_tokens: 64,
-        rate_rps: 400.0,
-        seed: 3,
-    };
-    let workload = synthetic_workload(&spec, 64, &ArrivalOptions::default()).unwrap();
+    let workload = shared_prefix_workload_at(400.0, 3);
     let queue = SimQueue {
         threshold: 0.5,
         policy: QueuePolicy::Fcfs,
