@@ -156,6 +156,8 @@ impl ResolvedSelect {
             pinned_worker: body.pinned(),
             allowed_worker_ids: body.allowed_worker_ids.as_deref(),
             advisory,
+            session_id: None,
+            affinity_target: None,
         }
     }
 }
@@ -227,6 +229,7 @@ pub fn create_reservation(state: &AppState, mut body: ReservationBody) -> ApiRes
         expected_output_tokens: body.expected_output_tokens,
         track_prefill_tokens: body.track_prefill_tokens,
         overrides,
+        session_id: None,
     };
     // A replay onto a rank with KV events books under the read lock; anything else takes the
     // write lock (LifecycleCalls).
@@ -261,7 +264,7 @@ pub fn output_block(state: &AppState, id: &str, decay_fraction: Option<f64>) -> 
 /// `DELETE /reservations/{id}`.
 pub fn free_reservation(state: &AppState, id: &str) -> ApiResult {
     let id = reservation_id(id)?;
-    state.selector.free(id)?;
+    state.selector.free(id, Instant::now())?;
     state.sync.booking_changed(id);
     Ok(ok_status())
 }

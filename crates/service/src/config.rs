@@ -325,6 +325,7 @@ impl ServeConfig {
                 ttl: predicted_ttl,
                 ..predict
             },
+            sessions: kvroute_core::selector::SessionConfig::default(),
         })
     }
 }

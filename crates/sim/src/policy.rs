@@ -657,11 +657,11 @@ impl Router for SelectorRouter {
         Ok(self.selector.output_block(&rid, None, now)?)
     }
 
-    fn on_finished(&mut self, id: RequestId, _now: Instant) -> Result<(), SimError> {
+    fn on_finished(&mut self, id: RequestId, now: Instant) -> Result<(), SimError> {
         let Some(rid) = self.ids.remove(&id) else {
             return Err(SimError::Internal(format!("request {id} was never booked")));
         };
-        Ok(self.selector.free(&rid)?)
+        Ok(self.selector.free(&rid, now)?)
     }
 
     fn diagnostics(&self) -> RouterDiagnostics {

@@ -177,6 +177,7 @@ impl BookingMessage {
             prefill_complete: self.prefill_complete,
             output_blocks: self.output_blocks,
             decode_blocks: self.decode_blocks,
+            session_id: None,
         }
     }
 }
@@ -329,6 +330,7 @@ mod tests {
             prefill_complete: true,
             output_blocks: 2,
             decode_blocks: 5,
+            session_id: None,
         };
         let message = BookingMessage::new(Origin::new("r1", 9), &state);
         let bytes = serde_json::to_vec(&message).unwrap();
