@@ -72,6 +72,7 @@ use crate::ingest::EventSink;
 use crate::metrics::Metrics;
 use clap::Args;
 use kvroute_core::event::{KvEvent, WorkerId};
+use kvroute_core::selector::SessionKey;
 use parking_lot::Mutex;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -168,6 +169,8 @@ pub(crate) enum SyncOp {
     Booking(Arc<str>),
     /// This replica changed a worker (upsert, patch, delete).
     Catalog(WorkerId),
+    /// This replica changed a session's binding (bound, rebound, dropped, idle).
+    Session(SessionKey),
     /// Events this replica's listeners applied, to relay.
     Events {
         worker_id: WorkerId,
@@ -260,6 +263,13 @@ impl SyncHandle {
     /// This replica upserted, patched or deleted a worker.
     pub fn catalog_changed(&self, worker_id: WorkerId) {
         self.send("catalog", SyncOp::Catalog(worker_id));
+    }
+
+    /// This replica changed these sessions' bindings.
+    pub fn sessions_changed(&self, sessions: Vec<SessionKey>) {
+        for key in sessions {
+            self.send("session", SyncOp::Session(key));
+        }
     }
 
     /// Wraps the listeners' sink so that, with `--nats-relay-events`, applied events are relayed.

@@ -280,7 +280,12 @@ fn the_recorder_finds_nested_structs_and_aliases() {
         structs[&vec!["mm_routing_info", "block_mm_infos", "mm_objects"]].0,
         "MmObjectBody"
     );
-    assert_eq!(structs.len(), 8);
+    assert_eq!(
+        structs[&vec!["session_context"]].0,
+        "SelectionSessionContext"
+    );
+    assert_eq!(structs[&vec!["affinity_target"]].0, "WorkerAffinityTarget");
+    assert_eq!(structs.len(), 10);
 }
 
 // ---------------------------------------------------------------------------------------------
