@@ -414,7 +414,7 @@ fn booking_id(
 /// predict-on-route off], ``no_kv_events`` [False],
 /// ``approximate_cache_policy`` ['ttl' | 'lru'], ``session_affinity_ttl_secs`` [None: session
 /// affinity off; 1 to 31536000, as Dynamo's keyword], ``session_affinity_mode`` ['hard' |
-/// 'soft'], ``session_affinity_soft_factor`` [2], ``session_affinity_max_sessions`` [2**18].
+/// 'soft'], ``session_affinity_soft_factor`` [3], ``session_affinity_max_sessions`` [2**18].
 /// Sessions are this process's own (no replica sync). Dynamo's ``selection_cache=SelectionCacheConfig(
 /// ttl_secs=, max_entries=, max_bytes=)`` and ``indexer_threads`` (threads of the KV-event
 /// runtime, default 2) are accepted too. An invalid value raises ``ValueError`` naming it.

@@ -215,7 +215,7 @@ pub fn run_policy(
                     progress(done);
                     continue;
                 }
-                let w = router.route(id, &request.prompt, now, &mut rng)?;
+                let w = router.route(id, &request.prompt, request.session_id, now, &mut rng)?;
                 let block_size = u64::from(config.engine.block_size);
                 let cached_tokens = |e: &Engine| {
                     e.pool().cached_prefix_blocks(&request.prompt.sequence) as u64 * block_size

@@ -47,7 +47,7 @@ pub const MAX_SESSION_ID_BYTES: usize = 256;
 /// Default cap on bindings.
 pub const DEFAULT_MAX_SESSIONS: usize = 1 << 18;
 /// Default factor of soft mode (measured with `kvroute sim`, `crates/sim/README.md`).
-pub const DEFAULT_SOFT_FACTOR: f64 = 2.0;
+pub const DEFAULT_SOFT_FACTOR: f64 = 3.0;
 /// Sessions changed locally and not yet taken by the publisher, at most (beyond, the publisher's
 /// periodic reconciliation catches up).
 const MAX_RECORDED_CHANGES: usize = 65_536;

@@ -63,7 +63,7 @@ class SelectionService:
         # this many seconds after its last booking ended (1 to 31536000).
         session_affinity_ttl_secs: Optional[float] = None,
         session_affinity_mode: Literal["hard", "soft"] = "hard",
-        session_affinity_soft_factor: float = 2.0,
+        session_affinity_soft_factor: float = 3.0,
         session_affinity_max_sessions: int = 262144,
     ) -> None: ...
 
