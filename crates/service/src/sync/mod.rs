@@ -17,6 +17,7 @@
 //! |---|---|---|---|
 //! | bookings | KV bucket `{prefix}_bookings` (history 1, max age = `--active-request-expiry-secs`) | `{partition}.{replica}.r{hex(reservation id)}` | the booking's *state* ([`codec::BookingMessage`]); freed = key deleted |
 //! | catalog | KV bucket `{prefix}_workers` (history 1) | `w{worker_id}` | the worker record and the replica that wrote it |
+//! | session bindings (`--session-affinity-ttl-secs`) | KV bucket `{prefix}_sessions` (history 1, max age = the TTL + `--active-request-expiry-secs`) | `{partition}.s{hex(session id)}` | the bound rank and, when idle, the binding's end in Unix µs ([`codec::SessionMessage`]); a drop is a tombstone value |
 //! | KV events (`--nats-relay-events`) | stream `{prefix}_events` (file storage, bounded by `--nats-events-max-age-secs` and `--nats-events-max-bytes`, oldest discarded first) | `{prefix}.events.{replica}.{worker}.{rank}` | a decoded batch ([`codec::EventsMessage`]) |
 //!
 //! `{partition}` is `p{hex(model)}_{hex(group)}`, so the bookings of one partition are one
@@ -63,8 +64,18 @@
 //!   (its own messages included) to rebuild its index. The index is only as complete as the
 //!   retained window: size the retention to cover the engines' cache lifetime.
 //!
-//! Start order: catalog, then bookings, then events (so bookings and events find their
-//! workers), each caught up before the next, bounded by 30 s; then `kvroute serve` starts serving.
+//! Session bindings: one key per session, whichever replica bound it (the last write wins). A
+//! replica publishes the bindings it changes: bound or moved by its booking, dropped by a refused
+//! booking (a tombstone, so it can tell its own drop's echo from another's), idle after its own
+//! last booking of the session ended; the reconciliation writes again what changed and, every
+//! half max age, the bindings a booking holds. Bookings carry their session
+//! ([`codec::BookingMessage::session_id`]), so a binding stays held on every replica while any
+//! replica's booking holds it; when the last one ends, each replica starts the TTL as it hears
+//! of it. The watcher ignores its own values except while a restarted replica catches up.
+//!
+//! Start order: catalog, then bookings, then session bindings (held by the bookings), then
+//! events (so bookings and events find their workers), each caught up before the next, bounded
+//! by 30 s; then `kvroute serve` starts serving.
 
 pub mod codec;
 
