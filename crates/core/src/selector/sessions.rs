@@ -643,10 +643,11 @@ impl Selector {
         sessions.hold(&key, booking, rank, bind, now);
     }
 
-    /// This replica's booking ended at `now`: its session, if any, may start its TTL.
+    /// A booking (by load-tracker key) ended at `now`: its session, if any, may start its TTL.
     pub(super) fn release_session(&self, booking: &str, now: Instant) {
         if self.config.sessions.enabled() {
-            self.sessions().release(booking, true, now);
+            let local = !sync::is_remote_key(booking);
+            self.sessions().release(booking, local, now);
         }
     }
 

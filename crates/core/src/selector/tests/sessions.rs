@@ -525,3 +525,46 @@ fn other_replicas_bookings_hold_their_sessions() {
     s.apply_synced_binding(&SessionKey::new(&p, "t"), None, later);
     assert_eq!(chosen(&s, &prompt, Some("t"), later), 1);
 }
+
+#[test]
+fn an_expired_remote_booking_idles_its_session_without_publishing_it() {
+    let (mut s, prompt) = sessions_selector(config(SessionMode::Hard));
+    s.record_session_changes();
+    let t0 = Instant::now();
+    let key = SessionKey::new(&partition(), "s");
+    let held = SyncedBinding {
+        rank: Rank::new(3, 0),
+        idle_until: None,
+    };
+    s.apply_synced_binding(&key, Some(held), t0);
+    let hashes = PromptHashes::from_tokens(&prompt, BS as usize, crate::hash::BASE_SEED);
+    let state = SyncedBooking {
+        worker_id: 3,
+        dp_rank: 0,
+        block_size: BS,
+        sequence_hashes: Arc::from(hashes.sequence),
+        isl_tokens: 17,
+        effective_prefill_tokens: 17,
+        expected_output_tokens: None,
+        track_prefill_tokens: true,
+        prefill_complete: false,
+        output_blocks: 0,
+        decode_blocks: 5,
+        session_id: Some("s".into()),
+    };
+    s.apply_synced_booking(BookingOwner::Remote("r2"), "x", &state, t0)
+        .unwrap();
+    // The replica that made it died: its booking expires here, and the session idles.
+    let expiry = t0 + s.config().active_request_expiry;
+    s.tick(expiry);
+    assert!(s.load_tracker().is_empty());
+    assert_eq!(
+        s.session_binding(&key, expiry).and_then(|b| b.idle_until),
+        Some(expiry + TTL)
+    );
+    assert!(
+        s.take_session_changes().is_empty(),
+        "another replica's binding"
+    );
+    assert!(s.local_session_bindings(expiry).is_empty());
+}
