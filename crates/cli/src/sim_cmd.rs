@@ -7,12 +7,13 @@
 
 use clap::Args;
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
-use kvroute_core::selector::PredictConfig;
+use kvroute_core::selector::{DEFAULT_SOFT_FACTOR, PredictConfig};
 use kvroute_sim::engine::DEFAULT_KV_BLOCKS;
-use kvroute_sim::policy::{SelectorPolicy, kvroute_policy};
+use kvroute_sim::policy::{DEFAULT_SESSION_TTL, SelectorPolicy, kvroute_policy};
 use kvroute_sim::sim::{DEFAULT_EVENT_DELAY, DEFAULT_SYNC_DELAY, DEFAULT_TTFT_TARGET, SimQueue};
 use kvroute_sim::workload::{
-    AgenticSpec, agentic_workload, mooncake_workload, parse_mooncake, synthetic_workload,
+    AgenticSpec, agentic_workload, mooncake_workload, parse_mooncake, sessions_by_opening,
+    synthetic_workload,
 };
 use kvroute_sim::{
     ArrivalOptions, EngineConfig, Policy, PolicyRun, SimConfig, SimError, SyntheticSpec,
@@ -43,7 +44,8 @@ pub struct SimArgs {
     #[arg(long, default_value_t = 8)]
     pub workers: usize,
     /// `all` or a comma-separated list: round_robin, random, least_loaded, cache_aware, dynamo,
-    /// kvroute, kvroute-approx-ttl, kvroute-approx-lru.
+    /// kvroute, kvroute-approx-ttl, kvroute-approx-lru, kvroute-session-hard,
+    /// kvroute-session-soft.
     #[arg(long, default_value = "all")]
     pub policies: String,
     /// KV blocks per worker, or `unlimited`.
@@ -167,6 +169,18 @@ pub struct SimArgs {
     /// confirm them or the core's TTL (2 s) passes.
     #[arg(long)]
     pub kvroute_predict_blocks: Option<bool>,
+    /// `kvroute-session-hard` / `-soft` policies: a session stays bound this many seconds after
+    /// its last request ended.
+    #[arg(long, default_value_t = DEFAULT_SESSION_TTL.as_secs_f64())]
+    pub session_affinity_ttl_secs: f64,
+    /// `kvroute-session-soft`: the bound worker is left when its cost exceeds this × the
+    /// cheapest worker's (at least 1).
+    #[arg(long, default_value_t = DEFAULT_SOFT_FACTOR)]
+    pub session_affinity_soft_factor: f64,
+    /// With --trace: a request without a `session_id` gets the session its first two 512-token
+    /// blocks name (the FAST'25 traces record no sessions; see crates/sim/README.md).
+    #[arg(long)]
+    pub trace_sessions: bool,
     /// Policies simulated in parallel (default: the machine's cores).
     #[arg(long)]
     pub jobs: Option<usize>,
@@ -291,8 +305,11 @@ fn build_workload(args: &SimArgs) -> Result<Workload, String> {
     if let Some(path) = &args.trace {
         let file = std::fs::File::open(path)
             .map_err(|e| format!("cannot open trace {}: {e}", path.display()))?;
-        let rows =
+        let mut rows =
             parse_mooncake(BufReader::new(file)).map_err(|e| format!("{}: {e}", path.display()))?;
+        if args.trace_sessions {
+            sessions_by_opening(&mut rows);
+        }
         return mooncake_workload(
             &path.display().to_string(),
             &rows,
@@ -383,9 +400,26 @@ fn run_all(
         .collect()
 }
 
-/// The `kvroute` policy: its defaults with the `--kvroute-*` overrides.
-pub fn kvroute_settings(args: &SimArgs) -> SelectorPolicy {
+/// The `kvroute` policy: its defaults with the `--kvroute-*` overrides, and the session
+/// policies' `--session-affinity-*` settings.
+pub fn kvroute_settings(args: &SimArgs) -> Result<SelectorPolicy, String> {
     let mut policy = kvroute_policy();
+    let (ttl, factor) = (
+        args.session_affinity_ttl_secs,
+        args.session_affinity_soft_factor,
+    );
+    if !(ttl.is_finite() && ttl > 0.0 && ttl < 1e9) {
+        return Err(format!(
+            "invalid --session-affinity-ttl-secs: must be a number of seconds > 0, got {ttl}"
+        ));
+    }
+    if !(factor.is_finite() && factor >= 1.0) {
+        return Err(format!(
+            "invalid --session-affinity-soft-factor: must be a number ≥ 1, got {factor}"
+        ));
+    }
+    policy.session_ttl = Duration::from_secs_f64(ttl);
+    policy.sessions.soft_factor = factor;
     let s = &mut policy.scheduler;
     if let Some(v) = args.kvroute_overlap_score_credit {
         s.overlap_score_credit = v;
@@ -406,13 +440,13 @@ pub fn kvroute_settings(args: &SimArgs) -> SelectorPolicy {
             Duration::ZERO
         };
     }
-    policy
+    Ok(policy)
 }
 
 fn run_inner(args: &SimArgs) -> Result<(), String> {
     let started = Instant::now();
     let config = sim_config(args)?;
-    let kvroute = kvroute_settings(args);
+    let kvroute = kvroute_settings(args)?;
     let requested = resolve(&args.policies, kvroute).map_err(|e| e.to_string())?;
     let (runnable, unavailable): (Vec<Policy>, Vec<Policy>) =
         requested.into_iter().partition(|p| p.unavailable.is_none());
@@ -616,10 +650,10 @@ mod tests {
             "--kvroute-predict-blocks",
             "false",
         ]);
-        let k = kvroute_settings(&a);
+        let k = kvroute_settings(&a).unwrap();
         assert_eq!(k.scheduler.prefill_load_scale, 3.0);
         assert_eq!(k.predicted_ttl, Duration::ZERO);
-        assert_eq!(kvroute_settings(&args(&[])), kvroute_policy());
+        assert_eq!(kvroute_settings(&args(&[])), Ok(kvroute_policy()));
     }
 
     /// Issue 29: one source of truth. `kvroute serve` with no flags, `kvroute.SelectionService()`
@@ -638,7 +672,7 @@ mod tests {
         assert_eq!(serve, Ok(SelectorConfig::default()));
         assert_eq!(python, Ok(SelectorConfig::default()));
         let scheduler_of = |name: &str| {
-            let policies = resolve(name, kvroute_settings(&args(&[]))).unwrap();
+            let policies = resolve(name, kvroute_settings(&args(&[])).unwrap()).unwrap();
             match policies[0].kind {
                 PolicyKind::Selector(p) => p.scheduler,
                 ref other => panic!("{name} is {other:?}"),

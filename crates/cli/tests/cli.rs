@@ -221,3 +221,75 @@ fn serve_refuses_an_invalid_knob_naming_it() {
     assert_eq!(code, 2);
     assert!(err.contains("--router-temperature"), "{err}");
 }
+
+/// `kvroute serve` with `args`: `Ok(())` once it listens (then stopped), else its exit code
+/// and stderr.
+fn serve_starts(args: &[&str]) -> Result<(), (i32, String)> {
+    use std::io::{BufRead, BufReader, Read};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["serve", "--port", "0"])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("runs");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("stdout");
+    if line.starts_with("kvroute listening") {
+        child.kill().expect("kill");
+        child.wait().expect("exits");
+        return Ok(());
+    }
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .expect("stderr")
+        .read_to_string(&mut err)
+        .expect("stderr");
+    let code = child.wait().expect("exits").code().unwrap_or(-1);
+    Err((code, err))
+}
+
+/// The command-line cases recorded from Dynamo's `--session-affinity-ttl-secs`: the values it
+/// accepts start kvroute too; clap's refusals are word for word; the out-of-range values Dynamo
+/// refuses with a Python exception (exit 1) kvroute refuses as any invalid knob (exit 2, the
+/// same words after the flag's name); `--session-affinity-mode` is kvroute's own.
+#[test]
+fn serve_takes_the_session_affinity_ttl_values_dynamo_takes() {
+    let fixtures: serde_json::Value = serde_json::from_str(include_str!(
+        "../../service/tests/fixtures/dynamo/sessions.json"
+    ))
+    .expect("fixtures");
+    let cases = fixtures["cli"].as_array().expect("cli cases");
+    assert!(cases.len() >= 18);
+    for case in cases {
+        let name = case["name"].as_str().expect("name");
+        // `python -m dynamo.select_service --port 18082 ...`: the arguments after the port.
+        let args: Vec<&str> = case["args"].as_array().expect("args")[5..]
+            .iter()
+            .map(|a| a.as_str().expect("arg"))
+            .collect();
+        let outcome = serve_starts(&args);
+        match (name, case["started"].as_bool(), &outcome) {
+            ("session_mode_flag", _, _) => assert_eq!(outcome, Ok(()), "kvroute's own flag"),
+            (_, Some(true), _) => assert_eq!(outcome, Ok(()), "{name}"),
+            (_, _, Ok(())) => panic!("{name}: started, Dynamo refused {args:?}"),
+            (_, _, Err((code, err))) => {
+                assert_eq!(*code, 2, "{name}: {err}");
+                if let Some(exception) = case["exception"].as_str() {
+                    let words =
+                        exception.trim_start_matches("Exception: session_affinity_ttl_secs");
+                    let ours = format!("kvroute serve: --session-affinity-ttl-secs{words}");
+                    assert!(err.starts_with(&ours), "{name}: {err}");
+                } else {
+                    let theirs = case["stderr"].as_str().expect("stderr");
+                    let first = |t: &str| t.lines().next().unwrap_or("").to_string();
+                    assert_eq!(first(err), first(theirs), "{name}");
+                }
+            }
+        }
+    }
+}

@@ -144,7 +144,7 @@ fn bench_select(c: &mut Criterion) {
             selector
                 .create_reservation(&ReservationRequest::replay(&partition, &id), now)
                 .expect("replay");
-            selector.free(&id).expect("free");
+            selector.free(&id, now).expect("free");
         })
     });
 }
@@ -200,7 +200,7 @@ fn bench_cycle_with_events(c: &mut Criterion) {
                         tier: Tier::Device,
                     };
                     selector.apply_events(sel.worker_id, sel.dp_rank, &[stored]);
-                    selector.free(&id).expect("free");
+                    selector.free(&id, now).expect("free");
                     let removed = KvEvent::Removed {
                         engine_hashes: hashes.sequence[new].to_vec(),
                         tier: Tier::Device,

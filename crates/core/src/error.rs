@@ -98,6 +98,14 @@ pub enum Error {
     },
     #[error("isl_tokens must be greater than 0")]
     ZeroIsl,
+    #[error("session affinity ID must not exceed 256 bytes")]
+    SessionIdTooLong,
+    #[error("session {session_id} is bound to worker {bound_worker}, not {selected_worker}")]
+    SessionBound {
+        session_id: String,
+        bound_worker: WorkerId,
+        selected_worker: WorkerId,
+    },
     /// Any other invalid field value, with a message naming it.
     #[error("{message}")]
     InvalidField {
@@ -119,6 +127,8 @@ impl Error {
             | Error::IdTooLong { .. }
             | Error::HashLengthMismatch { .. }
             | Error::ZeroIsl
+            | Error::SessionIdTooLong
+            | Error::SessionBound { .. }
             | Error::InvalidField { .. } => 400,
             Error::NoPendingSelection { .. }
             | Error::WorkerNotSchedulable { .. }

@@ -15,7 +15,7 @@ use crate::convert::{self, to_py};
 use crate::errors::{api_error, service_error};
 use crate::events;
 use kvroute_service::api;
-use kvroute_service::config::ApproximatePolicy;
+use kvroute_service::config::{ApproximatePolicy, SessionAffinityMode};
 use kvroute_service::http::error::ApiError;
 use kvroute_service::http::types::{PromptRouteBody, ReservationBody, SelectBody, WorkerBody};
 use kvroute_service::{AppState, ServeConfig};
@@ -143,6 +143,10 @@ const KNOBS: &[&str] = &[
     "predicted_ttl_secs",
     "no_kv_events",
     "approximate_cache_policy",
+    "session_affinity_ttl_secs",
+    "session_affinity_mode",
+    "session_affinity_soft_factor",
+    "session_affinity_max_sessions",
 ];
 
 /// Dynamo's constructor keywords, accepted so that its callers work unchanged.
@@ -152,7 +156,6 @@ const DYNAMO_KEYWORDS: &[&str] = &[
     "indexer_peers",
     "replica_sync_port",
     "replica_sync_peers",
-    "session_affinity_ttl_secs",
 ];
 
 fn knob_type_error(name: &str, expected: &str, value: &Bound<'_, PyAny>) -> PyErr {
@@ -260,6 +263,31 @@ fn apply_knob(config: &mut ServeConfig, name: &str, value: &Bound<'_, PyAny>) ->
         }
         "max_indexed_blocks" => config.max_indexed_blocks = int_knob(name, value)?,
         "predicted_ttl_secs" => config.predicted_ttl_secs = Some(float_knob(name, value)?),
+        // Dynamo's keyword: None (the default) leaves session affinity off.
+        "session_affinity_ttl_secs" => {
+            config.session_affinity_ttl_secs =
+                optional(value).map(|v| float_knob(name, v)).transpose()?
+        }
+        "session_affinity_mode" => {
+            let mode: String = value
+                .extract()
+                .map_err(|_| knob_type_error(name, "a str ('hard' or 'soft')", value))?;
+            config.session_affinity_mode = match mode.as_str() {
+                "hard" => SessionAffinityMode::Hard,
+                "soft" => SessionAffinityMode::Soft,
+                _ => {
+                    return Err(PyValueError::new_err(format!(
+                        "session_affinity_mode must be 'hard' or 'soft' (got {mode:?})"
+                    )));
+                }
+            };
+        }
+        "session_affinity_soft_factor" => {
+            config.session_affinity_soft_factor = float_knob(name, value)?
+        }
+        "session_affinity_max_sessions" => {
+            config.session_affinity_max_sessions = int_knob(name, value)?
+        }
         "no_kv_events" => config.no_kv_events = bool_knob(name, value)?,
         "approximate_cache_policy" => {
             let policy: String = value
@@ -322,8 +350,8 @@ fn config_from(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<(ServeConfig, usi
             _ if value.is_none() => {}
             _ => {
                 return Err(PyValueError::new_err(format!(
-                    "{name} is not supported in process (replica sync and session affinity are \
-                     not part of kvroute's Python API); pass None or leave it out"
+                    "{name} is not supported in process (replica sync is not part of \
+                     kvroute's Python API); pass None or leave it out"
                 )));
             }
         }
@@ -384,7 +412,10 @@ fn booking_id(
 /// ``busy_prefill_fraction`` [None], ``active_request_expiry_secs`` [300],
 /// ``max_indexed_blocks`` [2**22 per partition], ``predicted_ttl_secs`` [2; 0 turns
 /// predict-on-route off], ``no_kv_events`` [False],
-/// ``approximate_cache_policy`` ['ttl' | 'lru']. Dynamo's ``selection_cache=SelectionCacheConfig(
+/// ``approximate_cache_policy`` ['ttl' | 'lru'], ``session_affinity_ttl_secs`` [None: session
+/// affinity off; 1 to 31536000, as Dynamo's keyword], ``session_affinity_mode`` ['hard' |
+/// 'soft'], ``session_affinity_soft_factor`` [3], ``session_affinity_max_sessions`` [2**18].
+/// Sessions are this process's own (no replica sync). Dynamo's ``selection_cache=SelectionCacheConfig(
 /// ttl_secs=, max_entries=, max_bytes=)`` and ``indexer_threads`` (threads of the KV-event
 /// runtime, default 2) are accepted too. An invalid value raises ``ValueError`` naming it.
 ///

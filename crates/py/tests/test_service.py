@@ -401,6 +401,12 @@ async def test_configuration_keywords_apply_and_are_validated():
         ({"max_indexed_blocks": -1}, ValueError, "max_indexed_blocks is out of range (got -1)"),
         ({"predicted_ttl_secs": -1}, ValueError, "predicted_ttl_secs must be a number of seconds ≥ 0 (got -1)"),
         ({"replica_sync_port": 5000}, ValueError, "replica_sync_port is not supported in process"),
+        ({"session_affinity_ttl_secs": 0.5}, ValueError,
+         "session_affinity_ttl_secs must be between 1 and 31536000 (got 0.5)"),
+        ({"session_affinity_ttl_secs": "2"}, TypeError, "session_affinity_ttl_secs must be a number, got str"),
+        ({"session_affinity_mode": "loose"}, ValueError, "session_affinity_mode must be 'hard' or 'soft' (got \"loose\")"),
+        ({"session_affinity_soft_factor": 0.5}, ValueError, "session_affinity_soft_factor must be a finite number ≥ 1"),
+        ({"session_affinity_max_sessions": 0}, ValueError, "session_affinity_max_sessions must be at least 1"),
     ]:
         with pytest.raises(error) as info:
             kvroute.SelectionService(**kwargs)
@@ -514,3 +520,52 @@ def test_errors_pickle_with_their_attributes():
 
     e = pickle.loads(pickle.dumps(InvalidRequestError("token_ids must not be empty", 400, "bad_request")))
     assert (type(e), str(e), e.status_code, e.kind) == (InvalidRequestError, "token_ids must not be empty", 400, "bad_request")
+
+
+async def test_session_affinity_binds_on_booking_and_follows_the_session():
+    # Off by default: session fields are type-checked and ignored.
+    off = await with_workers(1, 2)
+    store(off, 1, tokens(17))
+    await off.select_and_reserve({"token_ids": tokens(17), "session_id": "s", "allowed_worker_ids": [2],
+                                  "selection_id": "s-1"})
+    assert (await off.select({"token_ids": tokens(17), "session_id": "s"}))["worker_id"] == 1
+    off.shutdown()
+
+    svc = await with_workers(1, 2, 3, session_affinity_ttl_secs=30)
+    store(svc, 1, tokens(17))
+    # A select binds nothing; a booking does, and the session follows it over worker 1's cache.
+    assert (await svc.select({"token_ids": tokens(17), "session_id": "s", "allowed_worker_ids": [2]}))["worker_id"] == 2
+    assert (await svc.select({"token_ids": tokens(17), "session_id": "s"}))["worker_id"] == 1
+    booked = await svc.select_and_reserve({"token_ids": tokens(17), "selection_id": "s-1",
+                                           "session_context": {"session_id": "s", "input_trigger": "user_message"},
+                                           "allowed_worker_ids": [2]})
+    assert booked["worker_id"] == 2
+    assert "session_id" not in booked and "session_context" not in booked
+    chosen = await svc.select({"token_ids": tokens(17), "session_context": {"session_id": "s", "session_final": True}})
+    assert chosen["worker_id"] == 2
+    # An affinity target wins over the binding, which stays.
+    assert (await svc.select({"token_ids": tokens(17), "session_id": "s",
+                              "affinity_target": {"worker_id": 3}}))["worker_id"] == 3
+    # A booking that excludes the bound worker is refused and drops the binding.
+    await raises(svc.select_and_reserve({"token_ids": tokens(17), "session_id": "s", "selection_id": "s-2",
+                                         "allowed_worker_ids": [3]}),
+                 400, "session s is bound to worker 2, not 3", kind="bad_request")
+    assert (await svc.select({"token_ids": tokens(17), "session_id": "s"}))["worker_id"] == 1
+    await raises(svc.select({"token_ids": tokens(17), "session_id": "x" * 257}),
+                 400, "session affinity ID must not exceed 256 bytes")
+    with pytest.raises(ValueError, match="input_trigger: unknown variant `bogus`"):
+        await svc.select({"token_ids": tokens(17), "session_context": {"session_id": "s", "input_trigger": "bogus"}})
+    assert "kvroute_session_bindings_events_total{event=\"dropped\"} 1" in svc.metrics()
+    svc.shutdown()
+
+
+async def test_soft_session_affinity_leaves_a_busy_worker():
+    for mode, expected in [("hard", 2), ("soft", 1)]:
+        svc = await with_workers(1, 2, session_affinity_ttl_secs=30, session_affinity_mode=mode,
+                                 busy_prefill_tokens=100)
+        await svc.select_and_reserve({"token_ids": tokens(17), "session_id": "s", "selection_id": "s-1",
+                                      "allowed_worker_ids": [2]})
+        await svc.create_reservation({"selection_id": "big", "worker_id": 2, "token_ids": tokens(400)})
+        chosen = await svc.select({"token_ids": tokens(17), "session_id": "s"})
+        assert chosen["worker_id"] == expected, mode
+        svc.shutdown()

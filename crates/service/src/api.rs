@@ -58,6 +58,8 @@ pub fn delete_worker(state: &AppState, worker_id: u64) -> ApiResult {
     let record = state.selector.write().delete_worker(worker_id)?;
     state.ingest.remove_worker(worker_id);
     state.sync.catalog_changed(worker_id);
+    // Its bookings ended: their sessions idle.
+    state.share_session_changes();
     Ok(worker_json(&record))
 }
 
@@ -159,6 +161,8 @@ impl ResolvedSelect {
             allowed_worker_ids: body.allowed_worker_ids.as_deref(),
             routing_constraints: self.routing_constraints.as_ref(),
             advisory,
+            session_id: body.session(),
+            affinity_target: body.affinity(),
         }
     }
 }
@@ -171,7 +175,7 @@ pub fn select(state: &AppState, mut body: SelectBody) -> ApiResult {
     let selection = state
         .selector
         .read()
-        .select(&req, Instant::now(), &mut rand::rng())?;
+        .select(&req, state.now(), &mut rand::rng())?;
     state
         .metrics
         .observe_phase("route", start.elapsed().as_secs_f64());
@@ -184,12 +188,15 @@ pub fn select(state: &AppState, mut body: SelectBody) -> ApiResult {
 pub fn select_and_reserve(state: &AppState, mut body: SelectBody) -> ApiResult {
     let resolved = resolve_select(state, &mut body)?;
     let req = resolved.request(&body, false);
-    let (selection, reservation) = state.selector.write().select_and_reserve(
+    let booked = state.selector.write().select_and_reserve(
         &req,
         body.reservation_id.as_deref(),
-        Instant::now(),
+        state.now(),
         &mut rand::rng(),
-    )?;
+    );
+    // A refused booking may have dropped its session's binding.
+    state.share_session_changes();
+    let (selection, reservation) = booked?;
     state.sync.booking_changed(&reservation.reservation_id);
     let body = select_and_reserve_json(&selection, &reservation);
     state.metrics.observe_selection(selection);
@@ -230,11 +237,13 @@ pub fn create_reservation(state: &AppState, mut body: ReservationBody) -> ApiRes
         expected_output_tokens: body.expected_output_tokens,
         track_prefill_tokens: body.track_prefill_tokens,
         overrides,
+        session_id: body.session(),
     };
     // A replay onto a rank with KV events books under the read lock; anything else takes the
     // write lock (LifecycleCalls).
-    let reservation = state.selector.create_reservation(&req, Instant::now())?;
+    let reservation = state.selector.create_reservation(&req, state.now())?;
     state.sync.booking_changed(&reservation.reservation_id);
+    state.share_session_changes();
     Ok(reservation_json(&reservation))
 }
 
@@ -246,7 +255,7 @@ fn reservation_id(raw: &str) -> Result<&str, ApiError> {
 /// `POST /reservations/{id}/prefill_complete`.
 pub fn prefill_complete(state: &AppState, id: &str) -> ApiResult {
     let id = reservation_id(id)?;
-    state.selector.prefill_complete(id, Instant::now())?;
+    state.selector.prefill_complete(id, state.now())?;
     state.sync.booking_changed(id);
     Ok(ok_status())
 }
@@ -256,7 +265,7 @@ pub fn output_block(state: &AppState, id: &str, decay_fraction: Option<f64>) -> 
     let id = reservation_id(id)?;
     state
         .selector
-        .output_block(id, decay_fraction, Instant::now())?;
+        .output_block(id, decay_fraction, state.now())?;
     state.sync.output_block(id);
     Ok(ok_status())
 }
@@ -264,8 +273,9 @@ pub fn output_block(state: &AppState, id: &str, decay_fraction: Option<f64>) -> 
 /// `DELETE /reservations/{id}`.
 pub fn free_reservation(state: &AppState, id: &str) -> ApiResult {
     let id = reservation_id(id)?;
-    state.selector.free(id)?;
+    state.selector.free(id, state.now())?;
     state.sync.booking_changed(id);
+    state.share_session_changes();
     Ok(ok_status())
 }
 

@@ -6,7 +6,7 @@ use clap::{Args, ValueEnum};
 use kvroute_core::index::IndexConfig;
 use kvroute_core::pending::PendingConfig;
 use kvroute_core::schedule::{RouterProfile, SchedulerConfig};
-use kvroute_core::selector::{PredictConfig, SelectorConfig};
+use kvroute_core::selector::{PredictConfig, SelectorConfig, SessionConfig, SessionMode};
 use std::net::IpAddr;
 use std::time::Duration;
 
@@ -19,6 +19,19 @@ pub enum ApproximatePolicy {
     /// A capacity-bounded LRU model of each rank's KV pool.
     Lru,
 }
+
+/// How strongly a session is bound to its rank (`--session-affinity-mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
+pub enum SessionAffinityMode {
+    /// The bound rank always wins, busy or not (Dynamo 1.6.1).
+    #[default]
+    Hard,
+    /// The bound rank wins unless it is busy or costs more than the soft factor × the cheapest.
+    Soft,
+}
+
+/// Accepted `--session-affinity-ttl-secs`, in seconds (Dynamo's range: one second to a year).
+pub const SESSION_AFFINITY_TTL_RANGE: std::ops::RangeInclusive<f64> = 1.0..=31_536_000.0;
 
 #[derive(Debug, Clone, Args)]
 pub struct ServeConfig {
@@ -112,6 +125,31 @@ pub struct ServeConfig {
     /// profile's: kvroute 2, dynamo 0]
     #[arg(long, env = "KVROUTE_PREDICTED_TTL_SECS")]
     pub predicted_ttl_secs: Option<f64>,
+
+    /// Session affinity: a session's requests (`session_id` or `session_context`) go to the rank
+    /// its bookings went to, until this many seconds after its last booking ended (1 to
+    /// 31536000). Without it session fields are ignored.
+    #[arg(long, env = "KVROUTE_SESSION_AFFINITY_TTL_SECS")]
+    pub session_affinity_ttl_secs: Option<f64>,
+    /// hard: a bound session always goes to its rank (Dynamo's behaviour); soft: unless that
+    /// rank is busy or costs more than --session-affinity-soft-factor × the cheapest rank.
+    #[arg(long, env = "KVROUTE_SESSION_AFFINITY_MODE", value_enum, default_value_t = SessionAffinityMode::Hard)]
+    pub session_affinity_mode: SessionAffinityMode,
+    /// Soft mode: how many times the cheapest rank's cost the bound rank may cost and still be
+    /// chosen (at least 1).
+    #[arg(
+        long,
+        env = "KVROUTE_SESSION_AFFINITY_SOFT_FACTOR",
+        default_value_t = kvroute_core::selector::DEFAULT_SOFT_FACTOR
+    )]
+    pub session_affinity_soft_factor: f64,
+    /// Most session bindings kept; the least recently booked is evicted beyond.
+    #[arg(
+        long,
+        env = "KVROUTE_SESSION_AFFINITY_MAX_SESSIONS",
+        default_value_t = kvroute_core::selector::DEFAULT_MAX_SESSIONS
+    )]
+    pub session_affinity_max_sessions: usize,
 
     /// Do not subscribe to engines' KV events; predict every worker's cache from bookings.
     #[arg(long, env = "KVROUTE_NO_KV_EVENTS", default_value_t = false)]
@@ -209,6 +247,10 @@ impl ServeConfig {
             active_request_expiry_secs: 300.0,
             max_indexed_blocks: 1 << 22,
             predicted_ttl_secs: None,
+            session_affinity_ttl_secs: None,
+            session_affinity_mode: SessionAffinityMode::Hard,
+            session_affinity_soft_factor: kvroute_core::selector::DEFAULT_SOFT_FACTOR,
+            session_affinity_max_sessions: kvroute_core::selector::DEFAULT_MAX_SESSIONS,
             no_kv_events: false,
             approximate_cache_policy: ApproximatePolicy::Ttl,
             ingest_nice: 10,
@@ -242,6 +284,39 @@ impl ServeConfig {
             busy_prefill_tokens: self.busy_prefill_tokens,
             busy_prefill_fraction: self.busy_prefill_fraction,
         }
+    }
+
+    /// Session affinity's settings, checked.
+    fn sessions(&self) -> Result<SessionConfig, String> {
+        let ttl = match self.session_affinity_ttl_secs {
+            Some(secs) if SESSION_AFFINITY_TTL_RANGE.contains(&secs) => {
+                Some(Duration::from_secs_f64(secs))
+            }
+            Some(secs) => {
+                return Err(format!(
+                    "--session-affinity-ttl-secs must be between 1 and 31536000 (got {secs})"
+                ));
+            }
+            None => None,
+        };
+        let factor = self.session_affinity_soft_factor;
+        if !(factor.is_finite() && factor >= 1.0) {
+            return Err(format!(
+                "--session-affinity-soft-factor must be a finite number ≥ 1 (got {factor})"
+            ));
+        }
+        if self.session_affinity_max_sessions == 0 {
+            return Err("--session-affinity-max-sessions must be at least 1".to_string());
+        }
+        Ok(SessionConfig {
+            ttl,
+            mode: match self.session_affinity_mode {
+                SessionAffinityMode::Hard => SessionMode::Hard,
+                SessionAffinityMode::Soft => SessionMode::Soft,
+            },
+            soft_factor: factor,
+            max_sessions: self.session_affinity_max_sessions,
+        })
     }
 
     /// Checks every knob and builds the selector's configuration.
@@ -325,6 +400,7 @@ impl ServeConfig {
                 ttl: predicted_ttl,
                 ..predict
             },
+            sessions: self.sessions()?,
         })
     }
 }
@@ -412,6 +488,65 @@ mod tests {
                 "{bad}"
             );
         }
+    }
+
+    #[test]
+    fn session_affinity_is_off_by_default_and_its_ttl_is_dynamos_range() {
+        let sessions = |args: &[&str]| {
+            ServeConfig::parse_from(args)
+                .unwrap()
+                .validate()
+                .map(|c| c.sessions)
+        };
+        assert_eq!(sessions(&["kvroute"]), Ok(SessionConfig::default()));
+        assert!(!SessionConfig::default().enabled());
+        for ok in ["1", "1.5", "1e3", "31536000"] {
+            let config = sessions(&["kvroute", "--session-affinity-ttl-secs", ok]).unwrap();
+            assert_eq!(
+                config.ttl,
+                Some(Duration::from_secs_f64(ok.parse().unwrap()))
+            );
+            assert_eq!(config.mode, SessionMode::Hard, "hard unless told");
+        }
+        for bad in [
+            "0",
+            "0.5",
+            "31536001",
+            "18446744073709551616",
+            "NaN",
+            "inf",
+            "-1",
+        ] {
+            let arg = format!("--session-affinity-ttl-secs={bad}");
+            let err = sessions(&["kvroute", &arg]).unwrap_err();
+            assert!(
+                err.starts_with("--session-affinity-ttl-secs must be between 1 and 31536000"),
+                "{bad}: {err}"
+            );
+        }
+        let soft = sessions(&[
+            "kvroute",
+            "--session-affinity-ttl-secs=60",
+            "--session-affinity-mode=soft",
+            "--session-affinity-soft-factor=1.5",
+            "--session-affinity-max-sessions=10",
+        ])
+        .unwrap();
+        assert_eq!(
+            (soft.mode, soft.soft_factor, soft.max_sessions),
+            (SessionMode::Soft, 1.5, 10)
+        );
+        assert!(
+            sessions(&["kvroute", "--session-affinity-soft-factor=0.5"])
+                .unwrap_err()
+                .contains("--session-affinity-soft-factor")
+        );
+        assert!(
+            sessions(&["kvroute", "--session-affinity-max-sessions=0"])
+                .unwrap_err()
+                .contains("--session-affinity-max-sessions")
+        );
+        assert!(ServeConfig::parse_from(["kvroute", "--session-affinity-mode", "loose"]).is_err());
     }
 
     #[test]

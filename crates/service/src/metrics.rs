@@ -12,7 +12,7 @@
 
 use kvroute_core::index::ApplyOutcome;
 use kvroute_core::pending::PendingCounters;
-use kvroute_core::selector::{PredictionCounters, Selection, Selector};
+use kvroute_core::selector::{PredictionCounters, Selection, Selector, SessionCounters};
 use parking_lot::Mutex;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::encoding::text::encode;
@@ -121,6 +121,9 @@ pub struct Metrics {
     approx_seen: Mutex<kvroute_core::approx::LruCounters>,
     predicted_blocks: Family<PredictionLabel, Counter>,
     predicted_seen: Mutex<PredictionCounters>,
+    session_bindings: Gauge,
+    session_events: Family<Labels, Counter>,
+    session_seen: Mutex<SessionCounters>,
     /// Replica sync over NATS (`kvroute_sync_*`).
     pub sync: SyncMetrics,
 }
@@ -285,8 +288,23 @@ impl Metrics {
                 .get_or_create(&PredictionLabel { outcome })
                 .inc_by(0);
         }
+        let session_bindings = Gauge::default();
+        registry.register(
+            "session_bindings",
+            "Session affinity: live bindings of sessions to ranks (expired ones until the next tick)",
+            session_bindings.clone(),
+        );
+        let session_events = Family::<Labels, Counter>::default();
+        registry.register(
+            "session_bindings_events",
+            "Session bindings made (bound), moved to another rank (rebound), expired, evicted by --session-affinity-max-sessions, dropped by a refused booking",
+            session_events.clone(),
+        );
         let sync = SyncMetrics::register(&mut registry);
         Self {
+            session_bindings,
+            session_events,
+            session_seen: Mutex::new(SessionCounters::default()),
             registry,
             sync,
             http_requests,
@@ -532,6 +550,23 @@ impl Metrics {
                     .inc_by(current.saturating_sub(previous));
             }
             *seen = predicted;
+        }
+        let (bindings, sessions) = selector.session_stats();
+        self.session_bindings.set(bindings as i64);
+        {
+            let mut seen = self.session_seen.lock();
+            for (event, current, previous) in [
+                ("bound", sessions.bound, seen.bound),
+                ("rebound", sessions.rebound, seen.rebound),
+                ("expired", sessions.expired, seen.expired),
+                ("evicted", sessions.evicted, seen.evicted),
+                ("dropped", sessions.dropped, seen.dropped),
+            ] {
+                self.session_events
+                    .get_or_create(&labels(&[("event", event)]))
+                    .inc_by(current.saturating_sub(previous));
+            }
+            *seen = sessions;
         }
         let mut out = String::new();
         // Writing into a String cannot fail.

@@ -8,7 +8,7 @@ use kvroute_core::event::KvEvent;
 use kvroute_core::selector::{Selector, WorkerRecord};
 use parking_lot::RwLock;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// Applies engine events to the selector (used by the listeners).
@@ -294,6 +294,8 @@ pub struct AppState {
     /// Replica sync hooks (no-ops without `--nats-url`).
     pub sync: crate::sync::SyncHandle,
     shutting_down: AtomicBool,
+    /// How far [`AppState::now`] runs ahead of the monotonic clock, in nanoseconds.
+    clock_ahead_nanos: AtomicU64,
 }
 
 impl AppState {
@@ -321,6 +323,10 @@ impl AppState {
         // With peers, near-equal picks spread by this replica's place among them
         // (`ReplicaSpread`), refreshed by every housekeeping tick.
         selector.write().set_replica_id(sync.replica_id());
+        if sync.replica_id().is_some() && selector_config.sessions.enabled() {
+            // The publisher shares the bindings this replica makes.
+            selector.write().record_session_changes();
+        }
         let ingest = IngestManager::with_config(
             sync.wrap_sink(sink),
             Arc::clone(&metrics),
@@ -337,7 +343,30 @@ impl AppState {
             ingest,
             sync,
             shutting_down: AtomicBool::new(false),
+            clock_ahead_nanos: AtomicU64::new(0),
         }))
+    }
+
+    /// The service's time: the monotonic clock, plus whatever [`AppState::advance_clock`] added.
+    /// Everything the selector times (bookings, cached selections, session bindings) reads it.
+    pub fn now(&self) -> Instant {
+        Instant::now() + Duration::from_nanos(self.clock_ahead_nanos.load(Ordering::Relaxed))
+    }
+
+    /// Moves the service's time forward by `by`, for tests of what expires (a running service
+    /// never calls it): the TTLs then pass without waiting for them.
+    pub fn advance_clock(&self, by: Duration) {
+        let nanos = u64::try_from(by.as_nanos()).unwrap_or(u64::MAX);
+        self.clock_ahead_nanos.fetch_add(nanos, Ordering::Relaxed);
+    }
+
+    /// Queues for replica sync the sessions whose binding this replica changed (a no-op without
+    /// sync or session affinity).
+    pub fn share_session_changes(&self) {
+        if self.sync.replica_id().is_some() && self.config.session_affinity_ttl_secs.is_some() {
+            let changed = self.selector.read().take_session_changes();
+            self.sync.sessions_changed(changed);
+        }
     }
 
     /// Starts, restarts or stops a worker's listeners after a catalog change.
@@ -362,6 +391,7 @@ impl AppState {
     /// One housekeeping pass: expire idle bookings and cached selections.
     pub fn tick(&self, now: Instant) {
         let outcome = self.selector.write().tick(now);
+        self.share_session_changes();
         if !outcome.expired_reservations.is_empty() {
             tracing::info!(
                 count = outcome.expired_reservations.len(),
@@ -379,7 +409,7 @@ impl AppState {
         interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         while !self.is_shutting_down() {
             interval.tick().await;
-            self.tick(Instant::now());
+            self.tick(self.now());
         }
     }
 }

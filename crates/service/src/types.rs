@@ -307,6 +307,44 @@ pub struct PinnedBody {
     pub dp_rank: Option<u32>,
 }
 
+/// `affinity_target`: a worker (and rank) preferred over any load. Named as Dynamo's type, which
+/// its 422 texts name (`expected struct WorkerAffinityTarget`).
+#[derive(Debug, Clone, Deserialize)]
+pub struct WorkerAffinityTarget {
+    pub worker_id: u64,
+    pub dp_rank: Option<u32>,
+}
+
+/// What started a session's request (accepted, not used: Dynamo 1.6.1 does not either).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum InputTrigger {
+    UserMessage,
+    ToolResult,
+    Other,
+}
+
+/// `session_context`: the session the request belongs to. Only `session_id` is used; the rest is
+/// type-checked and ignored, as in Dynamo 1.6.1, whose type (and 422 texts) this is named after.
+#[derive(Debug, Clone, Deserialize)]
+pub struct SelectionSessionContext {
+    pub session_id: String,
+    pub parent_session_id: Option<String>,
+    pub session_final: Option<bool>,
+    pub input_trigger: Option<InputTrigger>,
+}
+
+/// The session of a request: `session_context.session_id`, else `session_id`.
+fn session_of<'a>(
+    session_id: &'a Option<String>,
+    context: &'a Option<SelectionSessionContext>,
+) -> Option<&'a str> {
+    context
+        .as_ref()
+        .map(|c| c.session_id.as_str())
+        .or(session_id.as_deref())
+}
+
 fn partition_key(model_name: &str, routing_group: &Option<String>) -> Result<PartitionKey, Error> {
     let group = routing_group.clone().unwrap_or_else(default_name);
     check_id("model_name", model_name)?;
@@ -372,6 +410,9 @@ pub struct SelectBody {
     pub routing_constraints: RoutingConstraints,
     #[serde(default)]
     pub advisory: bool,
+    pub session_id: Option<String>,
+    pub session_context: Option<SelectionSessionContext>,
+    pub affinity_target: Option<WorkerAffinityTarget>,
 }
 
 impl SelectBody {
@@ -382,6 +423,18 @@ impl SelectBody {
             worker_id: p.worker_id,
             dp_rank: p.dp_rank,
         })
+    }
+
+    pub fn affinity(&self) -> Option<PinnedWorker> {
+        self.affinity_target.as_ref().map(|t| PinnedWorker {
+            worker_id: t.worker_id,
+            dp_rank: t.dp_rank,
+        })
+    }
+
+    /// The request's session: `session_context.session_id`, else `session_id`.
+    pub fn session(&self) -> Option<&str> {
+        session_of(&self.session_id, &self.session_context)
     }
 }
 
@@ -409,10 +462,18 @@ pub struct ReservationBody {
     pub track_prefill_tokens: Option<bool>,
     #[serde(default)]
     pub router_config_override: Option<OverrideBody>,
+    /// The explicit form's session (kvroute's addition; a replay books its selection's).
+    pub session_id: Option<String>,
+    pub session_context: Option<SelectionSessionContext>,
 }
 
 impl ReservationBody {
     prompt_accessors!();
+
+    /// The booking's session: `session_context.session_id`, else `session_id`.
+    pub fn session(&self) -> Option<&str> {
+        session_of(&self.session_id, &self.session_context)
+    }
 
     /// Whether the body carries any prompt field.
     pub fn has_prompt(&self) -> bool {

@@ -9,6 +9,7 @@
 //! | `dynamo` | kvroute's selector with Dynamo's default weights, fed the engines' exact KV events |
 //! | `kvroute` | the selector with kvroute's own settings: prefill-weighted cost, larger cache credit, the core's predict-on-route (see [`kvroute_policy`]) |
 //! | `kvroute-approx-ttl`, `kvroute-approx-lru` | `kvroute` without KV events, relying on the approximate cache models of SPEC §9 |
+//! | `kvroute-session-hard`, `kvroute-session-soft` | `kvroute` with session affinity (issue 30): a session's requests go to the rank its bookings went to, always (hard, Dynamo's behaviour) or unless busy or costlier than the soft factor × the best (soft) |
 //!
 //! Every selector policy drives [`Selector`] exactly as the HTTP service does: workers are
 //! registered with `upsert_worker`, the engines' events go through `apply_events`, each request
@@ -25,7 +26,7 @@ use kvroute_core::hash::PromptHashes;
 use kvroute_core::schedule::{RouterProfile, SchedulerConfig};
 use kvroute_core::selector::{
     BookingOwner, LifecycleCalls, PredictConfig, Prompt, SelectRequest, Selector, SelectorConfig,
-    SyncedBooking, WorkerSpec,
+    SessionConfig, SessionMode, SyncedBooking, WorkerSpec,
 };
 use rand::Rng;
 use rand::rngs::SmallRng;
@@ -71,7 +72,16 @@ pub struct SelectorPolicy {
     pub predicted_ttl: Duration,
     /// The selector's approximate cache model for workers without KV events.
     pub approximate_policy: CachePolicy,
+    /// Session affinity (`SelectorConfig::sessions`); off (`ttl: None`) but in the session
+    /// policies.
+    pub sessions: SessionConfig,
+    /// The TTL the session policies bind sessions for (after a session's last request ended).
+    pub session_ttl: Duration,
 }
+
+/// The session policies' TTL unless `--session-affinity-ttl-secs` says otherwise: longer than
+/// the agentic workload's think times between turns (1.5 s mean, exponential).
+pub const DEFAULT_SESSION_TTL: Duration = Duration::from_secs(30);
 
 /// What a policy is.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -100,6 +110,8 @@ pub fn dynamo_policy() -> SelectorPolicy {
         kv_events: true,
         predicted_ttl: Duration::ZERO,
         approximate_policy: CachePolicy::Ttl,
+        sessions: SessionConfig::default(),
+        session_ttl: DEFAULT_SESSION_TTL,
     }
 }
 
@@ -123,8 +135,21 @@ pub fn kvroute_policy() -> SelectorPolicy {
     }
 }
 
-/// Every policy, in report order, with `kvroute` configured as given (see [`kvroute_policy`]).
+/// Every policy, in report order, with `kvroute` configured as given (see [`kvroute_policy`]);
+/// the session policies are `kvroute` with sessions bound for its `session_ttl`.
 pub fn catalog(kvroute: SelectorPolicy) -> Vec<Policy> {
+    let session = |name, mode| Policy {
+        name,
+        kind: PolicyKind::Selector(SelectorPolicy {
+            sessions: SessionConfig {
+                ttl: Some(kvroute.session_ttl),
+                mode,
+                ..kvroute.sessions
+            },
+            ..kvroute
+        }),
+        unavailable: None,
+    };
     let approx = |name, approximate_policy| Policy {
         name,
         kind: PolicyKind::Selector(SelectorPolicy {
@@ -167,6 +192,8 @@ pub fn catalog(kvroute: SelectorPolicy) -> Vec<Policy> {
         },
         approx("kvroute-approx-ttl", CachePolicy::Ttl),
         approx("kvroute-approx-lru", CachePolicy::Lru),
+        session("kvroute-session-hard", SessionMode::Hard),
+        session("kvroute-session-soft", SessionMode::Soft),
     ]
 }
 
@@ -198,11 +225,13 @@ pub fn resolve(list: &str, kvroute: SelectorPolicy) -> Result<Vec<Policy>, SimEr
 
 /// A router as the simulator drives it.
 pub trait Router {
-    /// Picks the worker (0-based) for a request arriving at `now`.
+    /// Picks the worker (0-based) for a request of `session` (when the workload knows it)
+    /// arriving at `now`.
     fn route(
         &mut self,
         id: RequestId,
         prompt: &PromptHashes,
+        session: Option<u64>,
         now: Instant,
         rng: &mut SmallRng,
     ) -> Result<usize, SimError>;
@@ -315,6 +344,7 @@ impl Router for RoundRobin {
         &mut self,
         _id: RequestId,
         _prompt: &PromptHashes,
+        _session: Option<u64>,
         _now: Instant,
         _rng: &mut SmallRng,
     ) -> Result<usize, SimError> {
@@ -333,6 +363,7 @@ impl Router for RandomRouter {
         &mut self,
         _id: RequestId,
         _prompt: &PromptHashes,
+        _session: Option<u64>,
         _now: Instant,
         rng: &mut SmallRng,
     ) -> Result<usize, SimError> {
@@ -385,6 +416,7 @@ impl Router for LeastLoaded {
         &mut self,
         id: RequestId,
         prompt: &PromptHashes,
+        _session: Option<u64>,
         _now: Instant,
         rng: &mut SmallRng,
     ) -> Result<usize, SimError> {
@@ -479,6 +511,7 @@ impl Router for CacheAware {
         &mut self,
         id: RequestId,
         prompt: &PromptHashes,
+        _session: Option<u64>,
         _now: Instant,
         rng: &mut SmallRng,
     ) -> Result<usize, SimError> {
@@ -560,6 +593,7 @@ impl SelectorRouter {
                 ttl: config.predicted_ttl,
                 ..PredictConfig::default()
             },
+            sessions: config.sessions,
             ..SelectorConfig::default()
         });
         selector.set_replica_id(replica.map(replica_name).as_deref());
@@ -617,6 +651,7 @@ impl Router for SelectorRouter {
         &mut self,
         id: RequestId,
         prompt: &PromptHashes,
+        session: Option<u64>,
         now: Instant,
         rng: &mut SmallRng,
     ) -> Result<usize, SimError> {
@@ -629,7 +664,11 @@ impl Router for SelectorRouter {
             self.last_tick = Some(now);
         }
         let reservation_id = format!("r{id}");
-        let request = SelectRequest::new(&self.partition, Prompt::Hashes(prompt));
+        let session = session.map(|s| s.to_string());
+        let request = SelectRequest {
+            session_id: session.as_deref(),
+            ..SelectRequest::new(&self.partition, Prompt::Hashes(prompt))
+        };
         let (selection, _) =
             self.selector
                 .select_and_reserve(&request, Some(&reservation_id), now, rng)?;
@@ -657,11 +696,11 @@ impl Router for SelectorRouter {
         Ok(self.selector.output_block(&rid, None, now)?)
     }
 
-    fn on_finished(&mut self, id: RequestId, _now: Instant) -> Result<(), SimError> {
+    fn on_finished(&mut self, id: RequestId, now: Instant) -> Result<(), SimError> {
         let Some(rid) = self.ids.remove(&id) else {
             return Err(SimError::Internal(format!("request {id} was never booked")));
         };
-        Ok(self.selector.free(&rid)?)
+        Ok(self.selector.free(&rid, now)?)
     }
 
     fn diagnostics(&self) -> RouterDiagnostics {
@@ -728,7 +767,9 @@ mod tests {
                 "dynamo",
                 "kvroute",
                 "kvroute-approx-ttl",
-                "kvroute-approx-lru"
+                "kvroute-approx-lru",
+                "kvroute-session-hard",
+                "kvroute-session-soft"
             ]
         );
         let some = resolve("dynamo, round_robin,dynamo", kvroute_policy()).unwrap();
@@ -739,6 +780,37 @@ mod tests {
         let err = resolve("dynamo,fastest", kvroute_policy()).unwrap_err();
         assert!(err.to_string().contains("`fastest`"), "{err}");
         assert!(err.to_string().contains("cache_aware"), "{err}");
+    }
+
+    #[test]
+    fn session_policies_keep_a_session_on_its_worker() {
+        let engine = EngineConfig::default();
+        let now = Instant::now();
+        let mut rng = SmallRng::seed_from_u64(1);
+        let workers_used = |name: &str, rng: &mut SmallRng| {
+            let policy = &resolve(name, kvroute_policy()).unwrap()[0];
+            let mut router = build_router(policy, 4, &engine).unwrap();
+            // Eight unrelated prompts of one session, all in flight.
+            let used: BTreeSet<usize> = (0..8u32)
+                .map(|i| {
+                    let p = prompt(i * 10_000..i * 10_000 + 640);
+                    router.route(i, &p, Some(7), now, rng).unwrap()
+                })
+                .collect();
+            used.len()
+        };
+        assert_eq!(workers_used("kvroute-session-hard", &mut rng), 1);
+        assert!(
+            workers_used("kvroute", &mut rng) > 1,
+            "no session: spread by load"
+        );
+        match &resolve("kvroute-session-soft", kvroute_policy()).unwrap()[0].kind {
+            PolicyKind::Selector(s) => {
+                assert_eq!(s.sessions.mode, SessionMode::Soft);
+                assert_eq!(s.sessions.ttl, Some(DEFAULT_SESSION_TTL));
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
@@ -767,20 +839,20 @@ mod tests {
         let mut rr = build_router(&catalog[0], 3, &engine).unwrap();
         let p = prompt(0..100);
         let picks: Vec<usize> = (0..5)
-            .map(|i| rr.route(i, &p, now, &mut rng).unwrap())
+            .map(|i| rr.route(i, &p, None, now, &mut rng).unwrap())
             .collect();
         assert_eq!(picks, vec![0, 1, 2, 0, 1]);
 
         let mut ll = build_router(&catalog[2], 2, &engine).unwrap();
         let big = prompt(0..1000);
         let small = prompt(0..10);
-        let first = ll.route(0, &big, now, &mut rng).unwrap();
-        let second = ll.route(1, &small, now, &mut rng).unwrap();
+        let first = ll.route(0, &big, None, now, &mut rng).unwrap();
+        let second = ll.route(1, &small, None, now, &mut rng).unwrap();
         assert_ne!(first, second);
         // The small one's worker stays lighter until it grows past 1000 tokens.
-        assert_eq!(ll.route(2, &small, now, &mut rng).unwrap(), second);
+        assert_eq!(ll.route(2, &small, None, now, &mut rng).unwrap(), second);
         ll.on_finished(0, now).unwrap();
-        assert_eq!(ll.route(3, &small, now, &mut rng).unwrap(), first);
+        assert_eq!(ll.route(3, &small, None, now, &mut rng).unwrap(), first);
     }
 
     #[test]
@@ -790,16 +862,16 @@ mod tests {
         let engine = EngineConfig::default();
         let mut ca = CacheAware::new(3, &engine, CacheAwareConfig::default());
         let a = prompt(0..1000);
-        let w = ca.route(0, &a, now, &mut rng).unwrap();
+        let w = ca.route(0, &a, None, now, &mut rng).unwrap();
         // Same prompt: best match (100 % > 30 %).
-        assert_eq!(ca.route(1, &a, now, &mut rng).unwrap(), w);
+        assert_eq!(ca.route(1, &a, None, now, &mut rng).unwrap(), w);
         // An unrelated prompt goes to a worker with an empty tree.
         let b = prompt(5000..6000);
-        let other = ca.route(2, &b, now, &mut rng).unwrap();
+        let other = ca.route(2, &b, None, now, &mut rng).unwrap();
         assert_ne!(other, w);
         // Imbalance: 70 requests on one worker, none elsewhere → least loaded wins.
         ca.in_flight = vec![70, 0, 0];
-        let wa = ca.route(3, &a, now, &mut rng).unwrap();
+        let wa = ca.route(3, &a, None, now, &mut rng).unwrap();
         assert_ne!(wa, 0);
     }
 
@@ -827,7 +899,7 @@ mod tests {
         let p = prompt(0..640);
         // Worker 1 (index 1) reports the prompt's 10 blocks: the selector prefers it.
         r.on_kv_events(1, &[stored(&p)]);
-        assert_eq!(r.route(0, &p, now, &mut rng).unwrap(), 1);
+        assert_eq!(r.route(0, &p, None, now, &mut rng).unwrap(), 1);
         r.on_first_token(0, now).unwrap();
         r.on_output_block(0, now).unwrap();
         r.on_finished(0, now).unwrap();
@@ -870,11 +942,11 @@ mod tests {
         let engine = EngineConfig::default();
         let mut r = SelectorRouter::new(4, &engine, kvroute_policy(), None).unwrap();
         let p = prompt(0..6400);
-        let w = r.route(0, &p, now, &mut rng).unwrap();
+        let w = r.route(0, &p, None, now, &mut rng).unwrap();
         r.on_first_token(0, now).unwrap();
         // No engine event yet, but the predicted 100 blocks make `w` a full hit: cost 0 + 100
         // shared decode blocks there, against 100 + 100 elsewhere.
-        assert_eq!(r.route(1, &p, now, &mut rng).unwrap(), w);
+        assert_eq!(r.route(1, &p, None, now, &mut rng).unwrap(), w);
         assert_eq!(r.selector.predicted_blocks(), 100);
         // The engine's events confirm the prediction: the same overlap, now the engine's own.
         r.on_kv_events(w, &[stored(&p)]);
@@ -884,10 +956,10 @@ mod tests {
 
         // A prompt whose events never come counts as held for the TTL, then not.
         let q = prompt(10_000..16_400);
-        let wq = r.route(2, &q, now, &mut rng).unwrap();
+        let wq = r.route(2, &q, None, now, &mut rng).unwrap();
         assert_eq!(device_blocks(&r, &q), vec![0, 0, 0, 100]);
         let ttl = PredictConfig::default().ttl;
-        r.route(3, &prompt(20_000..20_640), now + ttl, &mut rng)
+        r.route(3, &prompt(20_000..20_640), None, now + ttl, &mut rng)
             .unwrap();
         assert_eq!(device_blocks(&r, &q), vec![0, 0, 0, 0], "worker {wq}");
         assert_eq!(r.selector.prediction_counters().expired, 100);
@@ -898,7 +970,7 @@ mod tests {
 
         // `dynamo` does not predict (Dynamo 1.6.1's default).
         let mut d = SelectorRouter::new(4, &engine, dynamo_policy(), None).unwrap();
-        d.route(0, &p, now, &mut rng).unwrap();
+        d.route(0, &p, None, now, &mut rng).unwrap();
         assert_eq!(d.selector.predicted_blocks(), 0);
         assert_eq!(device_blocks(&d, &p), vec![0, 0, 0, 0]);
     }

@@ -112,13 +112,14 @@ impl Router for Replicated {
         &mut self,
         id: RequestId,
         prompt: &PromptHashes,
+        session: Option<u64>,
         now: Instant,
         rng: &mut SmallRng,
     ) -> Result<usize, SimError> {
         self.deliver_due(now)?;
         let r = self.next;
         self.next = (self.next + 1) % self.replicas.len();
-        let worker = self.replicas[r].route(id, prompt, now, rng)?;
+        let worker = self.replicas[r].route(id, prompt, session, now, rng)?;
         self.owner.insert(id, r);
         self.publish(r, id, now);
         Ok(worker)
@@ -207,10 +208,10 @@ mod tests {
             .filter(|&seed| {
                 let mut rng = SmallRng::seed_from_u64(seed);
                 let mut r = replicated(2, delay);
-                let a = r.route(0, &prompt(0..6400), now, &mut rng).unwrap();
+                let a = r.route(0, &prompt(0..6400), None, now, &mut rng).unwrap();
                 let later = now + Duration::from_millis(10);
                 let b = r
-                    .route(1, &prompt(10_000..16_400), later, &mut rng)
+                    .route(1, &prompt(10_000..16_400), None, later, &mut rng)
                     .unwrap();
                 a == b
             })
@@ -229,14 +230,14 @@ mod tests {
         let ms = Duration::from_millis;
         let mut rng = SmallRng::seed_from_u64(1);
         let mut r = replicated(2, ms(5));
-        let a = r.route(0, &prompt(0..6400), now, &mut rng).unwrap();
+        let a = r.route(0, &prompt(0..6400), None, now, &mut rng).unwrap();
         assert_eq!(r.in_transit(), 1, "the booking is on its way");
         r.on_first_token(0, now + ms(1)).unwrap();
         r.on_output_block(0, now + ms(2)).unwrap();
         assert_eq!(r.in_transit(), 3);
         // Replica 1 has heard of all three by now; its export of its own bookings knows none.
         let b = r
-            .route(1, &prompt(10_000..16_400), now + ms(10), &mut rng)
+            .route(1, &prompt(10_000..16_400), None, now + ms(10), &mut rng)
             .unwrap();
         assert_ne!(a, b);
         assert!(r.replicas[1].export_booking(0).is_none());

@@ -497,7 +497,7 @@ impl Fleet<'_> {
         now: Instant,
     ) -> Result<(), SimError> {
         let request = &self.workload.requests[id as usize];
-        let w = router.route(id, &request.prompt, now, rng)?;
+        let w = router.route(id, &request.prompt, request.session_id, now, rng)?;
         let block_size = u64::from(self.config.engine.block_size);
         let cached_tokens = |e: &Engine| {
             e.pool().cached_prefix_blocks(&request.prompt.sequence) as u64 * block_size

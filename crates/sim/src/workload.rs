@@ -42,7 +42,8 @@ pub struct SimRequest {
     /// Tokens to generate (at least 1 is generated).
     pub output_tokens: u64,
     /// The conversation or agent session the request belongs to, when the workload knows it
-    /// (the agentic workload does). Not used by the policies yet.
+    /// (the agentic workload does; a trace's `session_id`, or its opening blocks with
+    /// [`sessions_by_opening`]); the session policies route on it.
     pub session_id: Option<u64>,
     /// The tenant it belongs to, when the workload knows it (the agentic workload does); the
     /// router-side queue shares capacity between tenants (issue 31).
@@ -112,7 +113,7 @@ impl ArrivalOptions {
     }
 }
 
-/// One line of a Mooncake trace. Unknown keys (`session_id`, `delay`, ...) are ignored.
+/// One line of a Mooncake trace. Unknown keys (`delay`, ...) are ignored.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct MooncakeRow {
     /// Arrival, milliseconds from the start of the trace.
@@ -120,6 +121,28 @@ pub struct MooncakeRow {
     pub input_length: u64,
     pub output_length: u64,
     pub hash_ids: Vec<u64>,
+    /// The request's session, when the trace has one (the FAST'25 traces do not).
+    #[serde(default)]
+    pub session_id: Option<u64>,
+}
+
+/// Gives each trace request without a `session_id` the session its opening names: its first
+/// two 512-token `hash_ids` (its first alone when it has one). The conversation trace starts
+/// every request with the same block 0 (a shared system prompt), so the second block is where
+/// a conversation's own context starts; its later turns extend that prompt and keep it. Requests
+/// that merely share a long system prompt with no own context look like one session, so this is
+/// an approximation: the trace records no sessions.
+pub fn sessions_by_opening(rows: &mut [MooncakeRow]) {
+    for row in rows.iter_mut().filter(|r| r.session_id.is_none()) {
+        let first = row.hash_ids.first().copied();
+        let second = row.hash_ids.get(1).copied();
+        row.session_id = match (first, second) {
+            // Pairs of ids below 2^32 (the traces' ids are 0..N) map to distinct sessions.
+            (Some(a), Some(b)) => Some(a.wrapping_mul(1 << 32) ^ b),
+            (Some(a), None) => Some(a.wrapping_mul(1 << 32) ^ u64::from(u32::MAX)),
+            _ => None,
+        };
+    }
 }
 
 /// Parses a Mooncake JSONL trace. Blank lines are skipped; a bad line is an error naming it.
@@ -263,7 +286,7 @@ pub fn mooncake_workload(
                 BASE_SEED,
             ),
             output_tokens: row.output_length,
-            session_id: None,
+            session_id: row.session_id,
             tenant: None,
         })
         .collect();
@@ -419,9 +442,30 @@ mod tests {
                 timestamp: 27.0,
                 input_length: 700,
                 output_length: 3,
-                hash_ids: vec![0, 2]
+                hash_ids: vec![0, 2],
+                session_id: Some(4),
             }
         );
+        let workload = mooncake_workload("t", &rows, 64, &ArrivalOptions::default()).unwrap();
+        let sessions: Vec<_> = workload.requests.iter().map(|r| r.session_id).collect();
+        assert_eq!(sessions, vec![None, Some(4), None]);
+    }
+
+    #[test]
+    fn sessions_by_opening_name_requests_by_their_first_two_blocks() {
+        let mut rows = parse_mooncake(TRACE.as_bytes()).unwrap();
+        let mut turn = rows[0].clone();
+        turn.hash_ids.push(9);
+        rows.push(turn);
+        sessions_by_opening(&mut rows);
+        let sessions: Vec<_> = rows.iter().map(|r| r.session_id).collect();
+        assert_eq!(sessions[1], Some(4), "the trace's own session stays");
+        assert_eq!(
+            sessions[0], sessions[3],
+            "a later turn: same opening, same session"
+        );
+        assert_ne!(sessions[0], sessions[2]);
+        assert!(sessions.iter().all(Option::is_some));
     }
 
     #[test]
@@ -469,6 +513,7 @@ mod tests {
                 input_length: 300,
                 output_length: 1,
                 hash_ids: vec![0],
+                session_id: None,
             },
             9,
         );

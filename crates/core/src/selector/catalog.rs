@@ -226,6 +226,7 @@ impl Selector {
         for booking in &freed {
             exclusive(&mut self.lru).release(&*booking.reservation_id);
         }
+        self.release_sessions_untimed(freed.iter().map(|b| &*b.reservation_id));
         self.detach_from_partition(&record.spec.partition(), worker_id);
         record.lifecycle = Lifecycle::Unschedulable;
         record.not_schedulable_reasons = Vec::new();

@@ -21,6 +21,7 @@
 //! | `inspect.rs` | read-only views: `/loads`, `/potential_loads`, `/overlap_scores`, `/dump` |
 //! | `sync.rs` | bookings shared between replicas (SPEC §10) |
 //! | `predict.rs` | predict-on-route: a booked prompt held on its rank until its events come |
+//! | `sessions.rs` | session affinity: bindings of sessions to ranks, their TTL, the preferred pick |
 //!
 //! ## Lock discipline
 //! The selector is plain data. An edge that serves concurrent requests wraps it in one
@@ -33,7 +34,8 @@
 //! also serves worker changes and KV events. That protocol lives in one place
 //! (`reservations.rs`); a caller writes `lock.free(id)` or `selector.free(id)` alike.
 //!
-//! Inner mutexes are taken in one order — load tracker, LRU model, pending cache — and never
+//! Inner mutexes are taken in one order — load tracker, LRU model, pending cache, session
+//! table — and never
 //! while waiting for the selector's lock; the queue of predictions (`predict.rs`), which a
 //! booking under the shared lock fills because it cannot change the index, is taken alone.
 //! Whoever next holds the selector exclusively records it first. Prompts are hashed by the edge
@@ -63,6 +65,7 @@ mod inspect;
 mod predict;
 mod reservations;
 mod select;
+mod sessions;
 mod sync;
 mod types;
 
@@ -72,6 +75,10 @@ pub use predict::{
     DEFAULT_MAX_PREDICTED_BLOCKS, DEFAULT_PREDICTED_TTL, PredictConfig, PredictionCounters,
 };
 pub use reservations::LifecycleCalls;
+pub use sessions::{
+    DEFAULT_MAX_SESSIONS, DEFAULT_SOFT_FACTOR, MAX_SESSION_ID_BYTES, SessionChoice, SessionConfig,
+    SessionCounters, SessionKey, SessionMode, SessionSelection, SessionTable, SyncedBinding,
+};
 pub use sync::{BookingOwner, ReplicaSpread, SyncApplyError, SyncApplyOutcome, SyncedBooking};
 pub use types::*;
 /// Prefill capacity reported for a worker whose `max_num_batched_tokens` is unknown (as Dynamo).
@@ -95,6 +102,8 @@ pub struct SelectorConfig {
     pub ttl: TtlConfig,
     /// Predict-on-route for ranks with KV events (`predict.rs`).
     pub predict: PredictConfig,
+    /// Session affinity (`sessions.rs`); off by default.
+    pub sessions: SessionConfig,
 }
 
 impl Default for SelectorConfig {
@@ -108,6 +117,7 @@ impl Default for SelectorConfig {
             no_kv_events: false,
             ttl: TtlConfig::default(),
             predict: PredictConfig::default(),
+            sessions: SessionConfig::default(),
         }
     }
 }
@@ -148,6 +158,8 @@ pub struct Selector {
     predictions: Mutex<predict::Predictions>,
     /// Whether `predictions` has bookings waiting (read without its mutex).
     predictions_queued: AtomicBool,
+    /// Session bindings (`sessions.rs`).
+    sessions: Mutex<SessionTable>,
     /// This replica's id among replicas sharing bookings, and its place among the live ones
     /// (`sync.rs`).
     replica: Option<(String, Option<ReplicaSpread>)>,
@@ -201,6 +213,10 @@ impl Selector {
             pending: Mutex::new(PendingCache::new(config.pending)),
             predictions: Mutex::new(predict::Predictions::new(config.predict)),
             predictions_queued: AtomicBool::new(false),
+            sessions: Mutex::new(SessionTable::new(
+                config.sessions.ttl.unwrap_or_default(),
+                config.sessions.max_sessions,
+            )),
             replica: None,
             shutting_down: false,
         }
@@ -248,12 +264,16 @@ impl Selector {
     }
 
     /// Periodic housekeeping: frees bookings idle for `active_request_expiry`, expires predicted
-    /// blocks past their TTL, purges expired cached selections.
+    /// blocks past their TTL, purges expired cached selections and session bindings.
     pub fn tick(&mut self, now: Instant) -> TickOutcome {
         self.expire_predictions(now);
         let expired = exclusive(&mut self.load).expire(now, self.config.active_request_expiry);
         for booking in &expired {
             self.release_lease(&booking.reservation_id);
+            self.release_session(&booking.reservation_id, now);
+        }
+        if self.config.sessions.enabled() {
+            exclusive(&mut self.sessions).expire(now);
         }
         let mut ttl_events = Vec::new();
         for p in self.partitions.values_mut() {

@@ -59,10 +59,11 @@ pub trait LifecycleCalls: hold::Hold + Sized {
     }
 
     /// `DELETE /reservations/{id}`: the request ended; its load and its modelled cache lease go.
-    fn free(self, reservation_id: &str) -> Result<(), Error> {
+    /// `now` starts the idle time of the booking's session (`sessions.rs`).
+    fn free(self, reservation_id: &str, now: Instant) -> Result<(), Error> {
         self.run(
-            |s| s.free_shared(reservation_id),
-            |s| s.free_exclusive(reservation_id),
+            |s| s.free_shared(reservation_id, now),
+            |s| s.free_exclusive(reservation_id, now),
         )
     }
 }
@@ -261,6 +262,9 @@ impl Selector {
             self.pending().remove(&plan.key, plan.generation);
             plan
         };
+        let session = plan.entry.session_selection();
+        let id = &plan.reservation.reservation_id;
+        self.hold_session(session.as_ref(), id, plan.rank, now);
         self.model_booking(
             &plan.reservation.reservation_id,
             plan.rank,
@@ -302,6 +306,8 @@ impl Selector {
             self.pending().remove(&plan.key, plan.generation);
             (plan.reservation, plan.rank, plan.entry)
         };
+        let session = entry.session_selection();
+        self.hold_session(session.as_ref(), &reservation.reservation_id, rank, now);
         self.queue_prediction(rank, &entry.local_hashes, &entry.sequence_hashes, now);
         Ok(Some(reservation))
     }
@@ -328,6 +334,9 @@ impl Selector {
                 field: "sequence_hashes",
             });
         };
+        if let (true, Some(id)) = (self.config.sessions.enabled(), req.session_id) {
+            super::sessions::session_key(req.partition, id)?;
+        }
         let (p, _) = self.schedulable_workers(req.partition)?;
         let (record, dp_rank) = self.schedulable_rank(req.partition, worker_id, req.dp_rank)?;
         let block_size = record.spec.block_size.unwrap_or(1);
@@ -366,6 +375,8 @@ impl Selector {
                 .unwrap_or(config.track_prefill_tokens),
         };
         exclusive(&mut self.load).book(booking, now)?;
+        let rank = Rank::new(worker_id, dp_rank);
+        self.hold_explicit_session(req.partition, req.session_id, name, rank, now);
         self.model_booking(
             name,
             Rank::new(worker_id, dp_rank),
@@ -403,11 +414,16 @@ impl Selector {
         Ok(())
     }
 
-    pub(super) fn free_exclusive(&mut self, reservation_id: &str) -> Result<(), Error> {
+    pub(super) fn free_exclusive(
+        &mut self,
+        reservation_id: &str,
+        now: Instant,
+    ) -> Result<(), Error> {
         self.check_running()?;
         sync::check_booking_id("reservation_id", reservation_id)?;
         exclusive(&mut self.load).free(reservation_id)?;
         self.release_lease(reservation_id);
+        self.release_session(reservation_id, now);
         Ok(())
     }
 
@@ -443,13 +459,21 @@ impl Selector {
 
     /// [`LifecycleCalls::free`] under the shared lock; `None` for a booking the LRU model
     /// holds a lease for (its release evicts modelled blocks).
-    pub(super) fn free_shared(&self, reservation_id: &str) -> Result<Option<()>, Error> {
-        self.unleased(reservation_id, |load, lru| {
+    pub(super) fn free_shared(
+        &self,
+        reservation_id: &str,
+        now: Instant,
+    ) -> Result<Option<()>, Error> {
+        let freed = self.unleased(reservation_id, |load, lru| {
             load.free(reservation_id)?;
             // No lease: counted as an ignored command, as the exclusive call does.
             let _ = lru.release(reservation_id);
             Ok(())
-        })
+        })?;
+        if freed.is_some() {
+            self.release_session(reservation_id, now);
+        }
+        Ok(freed)
     }
 
     /// Runs `call` on the load tracker and the LRU model (locked in that order) unless the LRU

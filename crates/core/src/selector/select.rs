@@ -9,6 +9,7 @@ use crate::index::RankOverlap;
 use crate::load::Booking;
 use crate::pending::PendingKey;
 use crate::schedule::{Candidate, RouterProfile, pick};
+use crate::selector::sessions;
 use std::sync::Arc;
 
 /// Ranks with a non-zero overlap, sorted by rank for lookups by binary search (cheaper than
@@ -70,12 +71,14 @@ impl Selector {
     pub(super) fn compute_selection(
         &self,
         req: &SelectRequest<'_>,
+        now: Instant,
         rng: &mut impl Rng,
     ) -> Result<Selection, Error> {
         self.check_running()?;
         if let Some(id) = req.selection_id {
             check_id("selection_id", id)?;
         }
+        let session = self.look_up_session(req, now)?;
         let (p, workers) = self.schedulable_workers(req.partition)?;
         let block_size = workers.first().and_then(|r| r.spec.block_size).unwrap_or(1);
         let hashes = req.prompt.hash(block_size)?;
@@ -113,9 +116,16 @@ impl Selector {
             .map(|(c, _)| c.device_blocks)
             .max()
             .unwrap_or(0);
+        let preferred = || {
+            let (isl, bs) = (hashes.isl_tokens, block_size);
+            self.preferred_candidate(req, &session, &candidates, &config, isl, bs)
+        };
         let chosen = if req.pinned_worker.is_some() {
             // Pinning bypasses scoring: the first (or named) rank of the pinned worker.
             0
+        } else if let Some(i) = preferred() {
+            // An affinity target or a bound session (`sessions.rs`).
+            i
         } else {
             let free: Vec<usize> = (0..candidates.len())
                 .filter(|&i| !config.is_busy(&candidates[i].0))
@@ -209,6 +219,7 @@ impl Selector {
             local_hashes: Arc::from(hashes.local.as_slice()),
             sequence_hashes: Arc::from(hashes.sequence.as_slice()),
             isl_tokens: hashes.isl_tokens,
+            session: self.session_choice(req, session, candidate.rank),
         })
     }
 
@@ -220,12 +231,13 @@ impl Selector {
         now: Instant,
         rng: &mut impl Rng,
     ) -> Result<Selection, Error> {
-        let selection = self.compute_selection(req, rng)?;
+        let selection = self.compute_selection(req, now, rng)?;
         if let Some(id) = req.selection_id {
             let key = PendingKey::new(&req.partition.model_name, &req.partition.routing_group, id);
             // Local and sequence hashes are both kept.
-            let bytes =
-                key.approximate_entry_bytes(2 * selection.sequence_hashes.len(), req.lora_name);
+            let bytes = key
+                .approximate_entry_bytes(2 * selection.sequence_hashes.len(), req.lora_name)
+                + req.session_id.map_or(0, str::len) as u64;
             let entry = PendingSelection {
                 worker_id: selection.worker_id,
                 dp_rank: selection.dp_rank,
@@ -236,6 +248,7 @@ impl Selector {
                 expected_output_tokens: req.expected_output_tokens,
                 track_prefill_tokens: selection.track_prefill_tokens,
                 lora_name: req.lora_name.map(str::to_string),
+                session: sessions::pending_session(selection.session.as_ref()),
             };
             self.pending().insert(key, Arc::new(entry), bytes, now);
         }
@@ -262,7 +275,8 @@ impl Selector {
         }
         // Due predictions go and queued ones are recorded before the pick sees the index.
         self.expire_predictions(now);
-        let mut selection = self.compute_selection(req, rng)?;
+        let mut selection = self.compute_selection(req, now, rng)?;
+        self.refuse_session_conflict(selection.session.as_ref(), selection.worker_id)?;
         let id = reservation_id
             .or(req.selection_id)
             .map(str::to_string)
@@ -281,6 +295,7 @@ impl Selector {
             now,
         )?;
         let rank = Rank::new(selection.worker_id, selection.dp_rank);
+        self.hold_session(selection.session.as_ref(), &id, rank, now);
         self.model_booking(
             &id,
             rank,

@@ -58,6 +58,8 @@ pub struct SyncedBooking {
     pub output_blocks: u64,
     /// The booking's own decode contribution ([`BookingView::decode_blocks`]).
     pub decode_blocks: u64,
+    /// The session the booking holds (in its worker's partition), with session affinity on.
+    pub session_id: Option<String>,
 }
 
 impl SyncedBooking {
@@ -74,6 +76,7 @@ impl SyncedBooking {
             prefill_complete: view.prefill_complete,
             output_blocks: view.output_blocks,
             decode_blocks: view.decode_blocks,
+            session_id: None,
         }
     }
 
@@ -121,6 +124,11 @@ pub enum SyncApplyError {
     /// The state itself is invalid (block size 0).
     #[error(transparent)]
     Invalid(#[from] LoadError),
+}
+
+/// Whether a load-tracker key is another replica's booking.
+pub(super) fn is_remote_key(key: &str) -> bool {
+    key.starts_with(REMOTE_MARK)
 }
 
 fn remote_key(replica: &str, reservation_id: &str) -> String {
@@ -195,18 +203,27 @@ impl Selector {
         if reservation_id.starts_with(REMOTE_MARK) {
             return None;
         }
-        locked(&self.load)
+        let mut state = locked(&self.load)
             .booking(reservation_id)
-            .map(SyncedBooking::from_view)
+            .map(SyncedBooking::from_view)?;
+        state.session_id = self.session_of_booking(reservation_id);
+        Some(state)
     }
 
     /// Every live booking of this replica (not the remote ones), in no particular order. O(n).
     pub fn local_bookings(&self) -> Vec<(Arc<str>, SyncedBooking)> {
-        locked(&self.load)
+        let mut bookings: Vec<(Arc<str>, SyncedBooking)> = locked(&self.load)
             .iter()
             .filter(|(id, _)| !id.starts_with(REMOTE_MARK))
             .map(|(id, view)| (Arc::clone(id), SyncedBooking::from_view(view)))
-            .collect()
+            .collect();
+        if self.config.sessions.enabled() {
+            let sessions = self.sessions();
+            for (id, state) in &mut bookings {
+                state.session_id = sessions.session_of(id).map(|k| k.session_id.clone());
+            }
+        }
+        bookings
     }
 
     /// Live bookings of other replicas: `(replica, reservation id)`. O(n).
@@ -250,6 +267,7 @@ impl Selector {
                 if existing.is_some() {
                     // The same id now names another booking (freed and booked again meanwhile).
                     exclusive(&mut self.load).free(&key)?;
+                    self.release_sessions_untimed(std::iter::once(key.as_str()));
                 }
                 exclusive(&mut self.load).book(
                     Booking {
@@ -264,6 +282,13 @@ impl Selector {
                     },
                     now,
                 )?;
+                let partition = self
+                    .workers
+                    .get(&state.worker_id)
+                    .map(|r| r.spec.partition());
+                if let Some(partition) = partition {
+                    self.hold_synced_session(&partition, state.session_id.as_deref(), &key, now);
+                }
                 outcome = SyncApplyOutcome::Booked;
             }
         }
@@ -287,9 +312,12 @@ impl Selector {
 
     /// Removes another replica's booking (it was freed there). False when it was not live here.
     pub fn remove_remote_booking(&mut self, replica: &str, reservation_id: &str) -> bool {
-        exclusive(&mut self.load)
-            .free(&remote_key(replica, reservation_id))
-            .is_ok()
+        let key = remote_key(replica, reservation_id);
+        let freed = exclusive(&mut self.load).free(&key).is_ok();
+        if freed {
+            self.release_sessions_untimed(std::iter::once(key.as_str()));
+        }
+        freed
     }
 
     /// Removes every remote booking for which `keep(replica, reservation id)` is false (a
@@ -300,9 +328,12 @@ impl Selector {
             .filter(|(id, _)| split_remote_key(id).is_some_and(|(r, i)| !keep(r, i)))
             .map(|(id, _)| Arc::clone(id))
             .collect();
-        gone.iter()
+        let freed: Vec<Arc<str>> = gone
+            .into_iter()
             .filter(|id| exclusive(&mut self.load).free(id).is_ok())
-            .count()
+            .collect();
+        self.release_sessions_untimed(freed.iter().map(|id| &**id));
+        freed.len()
     }
 }
 
@@ -360,6 +391,7 @@ mod tests {
             prefill_complete: false,
             output_blocks: 0,
             decode_blocks: 4,
+            session_id: None,
         }
     }
 
@@ -435,7 +467,7 @@ mod tests {
         assert_eq!(s.remote_bookings(), vec![("r2".into(), "a".into())]);
         let remote_key = remote_key("r2", "a");
         assert!(matches!(
-            s.free(&remote_key),
+            s.free(&remote_key, now),
             Err(Error::InvalidField { .. })
         ));
         let mut req = ReservationRequest::replay(&key, &remote_key);
@@ -444,7 +476,7 @@ mod tests {
             s.create_reservation(&req, now),
             Err(Error::InvalidField { .. })
         ));
-        s.free("a").unwrap();
+        s.free("a", now).unwrap();
         assert_eq!(load_of(&s, 1).active_requests, 1);
     }
 
@@ -512,7 +544,7 @@ mod tests {
             .unwrap();
         assert_eq!(s.synced_booking("mine"), Some(state(1)));
         s.prefill_complete("mine", now).unwrap();
-        s.free("mine").unwrap();
+        s.free("mine", now).unwrap();
         assert!(s.load_tracker().is_empty());
     }
 }

@@ -174,9 +174,9 @@ fn replay_books_the_cached_selection_and_consumes_it() {
     // Lifecycle uses the booking id.
     s.prefill_complete("s1", now).unwrap();
     s.output_block("s1", None, now).unwrap();
-    s.free("s1").unwrap();
+    s.free("s1", now).unwrap();
     assert!(matches!(
-        s.free("s1"),
+        s.free("s1", now),
         Err(Error::ReservationNotFound { .. })
     ));
 }
@@ -199,10 +199,10 @@ fn reservation_id_names_the_booking_and_defaults_to_selection_id() {
     assert!(s.load_tracker().booking("res").is_some());
     assert!(s.load_tracker().booking("sel").is_none());
     assert!(matches!(
-        s.free("sel"),
+        s.free("sel", now),
         Err(Error::ReservationNotFound { .. })
     ));
-    s.free("res").unwrap();
+    s.free("res", now).unwrap();
 }
 
 #[test]
@@ -807,7 +807,7 @@ fn shutdown_refuses_every_operation() {
         s.create_reservation(&ReservationRequest::replay(&p, "x"), now),
         Err(Error::ShuttingDown)
     ));
-    assert!(matches!(s.free("x"), Err(Error::ShuttingDown)));
+    assert!(matches!(s.free("x", now), Err(Error::ShuttingDown)));
     assert!(matches!(s.upsert_worker(spec(2)), Err(Error::ShuttingDown)));
     assert!(!s.ready().ready);
 }
@@ -831,7 +831,7 @@ fn book_and_free(s: &mut Selector, id: &str, worker_id: WorkerId, prompt: &[u32]
         ..ReservationRequest::replay(&p, id)
     };
     s.create_reservation(&req, now).unwrap();
-    s.free(id).unwrap();
+    s.free(id, now).unwrap();
 }
 
 #[test]
@@ -846,7 +846,7 @@ fn ttl_model_credits_a_repeated_prompt_on_a_worker_without_events_until_it_expir
         .unwrap();
     // Read-your-writes: the prediction is visible to the next request.
     assert_eq!(overlap_blocks(&s, sel.worker_id, &prompt), 4);
-    s.free("a").unwrap();
+    s.free("a", now).unwrap();
     let again = s
         .select(&select_req(&p, &prompt, None), now, &mut rng())
         .unwrap();
@@ -976,4 +976,5 @@ fn load_state(s: &Selector) -> LoadState {
 mod constraints;
 mod decisions;
 mod predict;
+mod sessions;
 mod shared_lock;

@@ -7,6 +7,7 @@ use crate::error::{Error, PartitionKey};
 use crate::event::{KvEvent, Rank, WorkerId};
 use crate::hash::{BlockExtras, PromptHashes, seed_for};
 use crate::schedule::Overrides;
+use crate::selector::sessions::{SessionKey, SessionSelection};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
@@ -204,6 +205,10 @@ pub struct SelectRequest<'a> {
     /// Required and preferred worker taints (`constraints.rs`).
     pub routing_constraints: Option<&'a RoutingConstraints>,
     pub advisory: bool,
+    /// The request's session (`sessions.rs`; ignored while session affinity is off).
+    pub session_id: Option<&'a str>,
+    /// A worker (and rank) preferred over any load, unless `pinned_worker` names another.
+    pub affinity_target: Option<PinnedWorker>,
 }
 
 impl<'a> SelectRequest<'a> {
@@ -219,6 +224,8 @@ impl<'a> SelectRequest<'a> {
             allowed_worker_ids: None,
             routing_constraints: None,
             advisory: false,
+            session_id: None,
+            affinity_target: None,
         }
     }
 }
@@ -272,6 +279,8 @@ pub struct Selection {
     pub local_hashes: Arc<[u64]>,
     pub sequence_hashes: Arc<[u64]>,
     pub isl_tokens: u64,
+    /// The request's session and what booking this selection does to its binding.
+    pub session: Option<SessionSelection>,
 }
 
 /// What a selection caches for its replay (SPEC §7.2).
@@ -287,6 +296,8 @@ pub struct PendingSelection {
     pub expected_output_tokens: Option<u64>,
     pub track_prefill_tokens: bool,
     pub lora_name: Option<String>,
+    /// The selection's session, and whether booking binds it there.
+    pub session: Option<(SessionKey, bool)>,
 }
 
 /// `POST /reservations`.
@@ -302,6 +313,8 @@ pub struct ReservationRequest<'a> {
     pub expected_output_tokens: Option<u64>,
     pub track_prefill_tokens: Option<bool>,
     pub overrides: Overrides,
+    /// The explicit form's session (a replay books its selection's).
+    pub session_id: Option<&'a str>,
 }
 
 impl<'a> ReservationRequest<'a> {
@@ -318,6 +331,7 @@ impl<'a> ReservationRequest<'a> {
             expected_output_tokens: None,
             track_prefill_tokens: None,
             overrides: Overrides::default(),
+            session_id: None,
         }
     }
 }

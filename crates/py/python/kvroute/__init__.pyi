@@ -59,7 +59,12 @@ class SelectionService:
         indexer_peers: None = None,
         replica_sync_port: None = None,
         replica_sync_peers: None = None,
-        session_affinity_ttl_secs: None = None,
+        # Session affinity (off with None): a booked session's requests go to its rank until
+        # this many seconds after its last booking ended (1 to 31536000).
+        session_affinity_ttl_secs: Optional[float] = None,
+        session_affinity_mode: Literal["hard", "soft"] = "hard",
+        session_affinity_soft_factor: float = 3.0,
+        session_affinity_max_sessions: int = 262144,
     ) -> None: ...
 
     # Catalog

@@ -225,6 +225,9 @@ pub fn document() -> Value {
             "advisory".into(),
             json!({"type": "boolean", "default": false}),
         );
+        s.insert("session_id".into(), json!({"type": "string", "nullable": true, "maxLength": 256, "description": "With --session-affinity-ttl-secs: the request's session; a booking binds it to the chosen rank, later requests of the session go there (ignored without the flag)"}));
+        s.insert("session_context".into(), schema("SessionContext"));
+        s.insert("affinity_target".into(), json!({"type": "object", "required": ["worker_id"], "description": "A worker (and rank) preferred over any load, and over a bound session; ignored when not schedulable here", "properties": {"worker_id": {"type": "integer"}, "dp_rank": {"type": "integer"}}}));
     }
     if let Some(r) = reservation.as_object_mut() {
         r.insert("selection_id".into(), json!({"type": "string", "maxLength": 1024, "description": "Replay form: the selection to book. Every prompt, dp_rank, effective_prefill_tokens and expected_output_tokens field is IGNORED on replay: the cached selection wins."}));
@@ -234,6 +237,8 @@ pub fn document() -> Value {
         r.insert("effective_prefill_tokens".into(), json!({"type": "integer", "description": "Explicit form; ≤ isl; default computed from the index"}));
         r.insert("expected_output_tokens".into(), json!({"type": "integer"}));
         r.insert("track_prefill_tokens".into(), json!({"type": "boolean"}));
+        r.insert("session_id".into(), json!({"type": "string", "nullable": true, "maxLength": 256, "description": "Explicit form, with --session-affinity-ttl-secs: the booking's session, bound to the booked rank unless already bound to an available one (a replay books its selection's session)"}));
+        r.insert("session_context".into(), schema("SessionContext"));
     }
     let mut doc = json!({
         "openapi": "3.0.3",
@@ -286,6 +291,11 @@ pub fn document() -> Value {
                     "mm_hash": {"type": "integer", "minimum": 0, "maximum": u64::MAX},
                     "offsets": {"type": "array", "description": "[start, end] token ranges; not hashed",
                                 "items": {"type": "array", "minItems": 2, "maxItems": 2, "items": {"type": "integer", "minimum": 0}}}}},
+                "SessionContext": {"type": "object", "nullable": true, "required": ["session_id"], "description": "The request's session; its session_id wins over a top-level session_id. The other fields are accepted and unused (as in Dynamo 1.6.1)", "properties": {
+                    "session_id": {"type": "string", "maxLength": 256},
+                    "parent_session_id": {"type": "string", "nullable": true},
+                    "session_final": {"type": "boolean", "nullable": true},
+                    "input_trigger": {"type": "string", "nullable": true, "enum": ["user_message", "tool_result", "other"]}}},
                 "Select": {"type": "object", "properties": select},
                 "Reservation": {"type": "object", "properties": reservation},
                 "OutputBlock": {"type": "object", "properties": {"decay_fraction": {"type": "number", "minimum": 0, "maximum": 1}}},

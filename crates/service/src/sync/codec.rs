@@ -4,7 +4,7 @@
 
 use kvroute_core::error::PartitionKey;
 use kvroute_core::event::{KvEvent, StoredBlock, Tier, WorkerId};
-use kvroute_core::selector::SyncedBooking;
+use kvroute_core::selector::{SessionKey, SyncedBooking};
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -72,6 +72,35 @@ pub fn partition_token(partition: &PartitionKey) -> String {
         hex(partition.model_name.as_bytes()),
         hex(partition.routing_group.as_bytes())
     )
+}
+
+/// The partition of a [`partition_token`].
+fn parse_partition_token(token: &str) -> Option<PartitionKey> {
+    let (model, group) = token.strip_prefix('p')?.split_once('_')?;
+    Some(PartitionKey::new(
+        String::from_utf8(unhex(model)?).ok()?,
+        String::from_utf8(unhex(group)?).ok()?,
+    ))
+}
+
+/// The key of a session's binding in the sessions bucket: `{partition}.s{hex(session id)}`.
+/// One key per session, whichever replica bound it: the last binding wins.
+pub fn session_key(key: &SessionKey) -> String {
+    format!(
+        "{}.s{}",
+        partition_token(&key.partition),
+        hex(key.session_id.as_bytes())
+    )
+}
+
+/// The session of a sessions-bucket key.
+pub fn parse_session_key(key: &str) -> Option<SessionKey> {
+    let (partition, session) = key.split_once('.')?;
+    let session_id = String::from_utf8(unhex(session.strip_prefix('s')?)?).ok()?;
+    Some(SessionKey {
+        partition: parse_partition_token(partition)?,
+        session_id,
+    })
 }
 
 /// The key of a booking in the bookings bucket: `{partition}.{replica}.r{hex(id)}`, so a
@@ -144,6 +173,9 @@ pub struct BookingMessage {
     pub prefill_complete: bool,
     pub output_blocks: u64,
     pub decode_blocks: u64,
+    /// The session the booking holds (session affinity).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_id: Option<String>,
 }
 
 impl BookingMessage {
@@ -161,6 +193,7 @@ impl BookingMessage {
             prefill_complete: state.prefill_complete,
             output_blocks: state.output_blocks,
             decode_blocks: state.decode_blocks,
+            session_id: state.session_id.clone(),
         }
     }
 
@@ -177,8 +210,26 @@ impl BookingMessage {
             prefill_complete: self.prefill_complete,
             output_blocks: self.output_blocks,
             decode_blocks: self.decode_blocks,
+            session_id: self.session_id.clone(),
         }
     }
+}
+
+/// A session's binding (the value under its key; a dropped binding's key is deleted).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionMessage {
+    #[serde(flatten)]
+    pub origin: Origin,
+    pub worker_id: WorkerId,
+    pub dp_rank: u32,
+    /// Until when (Unix µs) the binding lives unless a booking holds it; absent when the
+    /// publisher's own booking held it (the booking itself travels in the bookings bucket).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_until_us: Option<u64>,
+    /// The publisher dropped the binding (a refused booking): a tombstone rather than a deleted
+    /// key, so that the publisher can tell its own drop from another replica's.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub dropped: bool,
 }
 
 /// A worker's catalog entry: the record as `GET /workers` shows it, and which replica wrote it
@@ -303,6 +354,17 @@ mod tests {
             assert_eq!(parse_booking_key(&key), Some(("replica-1", id.to_string())));
         }
         assert_eq!(parse_booking_key("p_.r1.rzz"), None);
+        for id in ["", "s", "with.dots and spaces/é"] {
+            let session = SessionKey::new(&partition, id);
+            let key = session_key(&session);
+            assert!(
+                key.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-/_=.".contains(&b))
+            );
+            assert_eq!(parse_session_key(&key), Some(session));
+        }
+        assert_eq!(parse_session_key("p_.szz"), None);
+        assert_eq!(parse_session_key("nope"), None);
         assert_eq!(parse_booking_key("p_.bad*replica.r61"), None);
         assert_eq!(parse_worker_key(&worker_key(42)), Some(42));
     }
@@ -365,6 +427,7 @@ mod tests {
             prefill_complete: true,
             output_blocks: 2,
             decode_blocks: 5,
+            session_id: Some("s-1".into()),
         };
         let message = BookingMessage::new(Origin::new("r1", 9), &state);
         let bytes = serde_json::to_vec(&message).unwrap();

@@ -17,6 +17,7 @@
 //! |---|---|---|---|
 //! | bookings | KV bucket `{prefix}_bookings` (history 1, max age = `--active-request-expiry-secs`) | `{partition}.{replica}.r{hex(reservation id)}` | the booking's *state* ([`codec::BookingMessage`]); freed = key deleted |
 //! | catalog | KV bucket `{prefix}_workers` (history 1) | `w{worker_id}` | the worker record and the replica that wrote it |
+//! | session bindings (`--session-affinity-ttl-secs`) | KV bucket `{prefix}_sessions` (history 1, max age = the TTL + `--active-request-expiry-secs`) | `{partition}.s{hex(session id)}` | the bound rank and, when idle, the binding's end in Unix µs ([`codec::SessionMessage`]); a drop is a tombstone value |
 //! | KV events (`--nats-relay-events`) | stream `{prefix}_events` (file storage, bounded by `--nats-events-max-age-secs` and `--nats-events-max-bytes`, oldest discarded first) | `{prefix}.events.{replica}.{worker}.{rank}` | a decoded batch ([`codec::EventsMessage`]) |
 //!
 //! `{partition}` is `p{hex(model)}_{hex(group)}`, so the bookings of one partition are one
@@ -63,8 +64,18 @@
 //!   (its own messages included) to rebuild its index. The index is only as complete as the
 //!   retained window: size the retention to cover the engines' cache lifetime.
 //!
-//! Start order: catalog, then bookings, then events (so bookings and events find their
-//! workers), each caught up before the next, bounded by 30 s; then `kvroute serve` starts serving.
+//! Session bindings: one key per session, whichever replica bound it (the last write wins). A
+//! replica publishes the bindings it changes: bound or moved by its booking, dropped by a refused
+//! booking (a tombstone, so it can tell its own drop's echo from another's), idle after its own
+//! last booking of the session ended; the reconciliation writes again what changed and, every
+//! half max age, the bindings a booking holds. Bookings carry their session
+//! ([`codec::BookingMessage::session_id`]), so a binding stays held on every replica while any
+//! replica's booking holds it; when the last one ends, each replica starts the TTL as it hears
+//! of it. The watcher ignores its own values except while a restarted replica catches up.
+//!
+//! Start order: catalog, then bookings, then session bindings (held by the bookings), then
+//! events (so bookings and events find their workers), each caught up before the next, bounded
+//! by 30 s; then `kvroute serve` starts serving.
 
 pub mod codec;
 
@@ -72,6 +83,7 @@ use crate::ingest::EventSink;
 use crate::metrics::Metrics;
 use clap::Args;
 use kvroute_core::event::{KvEvent, WorkerId};
+use kvroute_core::selector::SessionKey;
 use parking_lot::Mutex;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -168,6 +180,8 @@ pub(crate) enum SyncOp {
     Booking(Arc<str>),
     /// This replica changed a worker (upsert, patch, delete).
     Catalog(WorkerId),
+    /// This replica changed a session's binding (bound, rebound, dropped, idle).
+    Session(SessionKey),
     /// Events this replica's listeners applied, to relay.
     Events {
         worker_id: WorkerId,
@@ -260,6 +274,13 @@ impl SyncHandle {
     /// This replica upserted, patched or deleted a worker.
     pub fn catalog_changed(&self, worker_id: WorkerId) {
         self.send("catalog", SyncOp::Catalog(worker_id));
+    }
+
+    /// This replica changed these sessions' bindings.
+    pub fn sessions_changed(&self, sessions: Vec<SessionKey>) {
+        for key in sessions {
+            self.send("session", SyncOp::Session(key));
+        }
     }
 
     /// Wraps the listeners' sink so that, with `--nats-relay-events`, applied events are relayed.

@@ -9,14 +9,18 @@
 use crate::metrics::SyncMetrics;
 use crate::state::AppState;
 use crate::sync::codec::{
-    self, BookingMessage, CatalogMessage, EventMessage, EventsMessage, Origin, VERSION,
+    self, BookingMessage, CatalogMessage, EventMessage, EventsMessage, Origin, SessionMessage,
+    VERSION,
 };
 use crate::sync::{SyncOp, SyncShared};
 use crate::types::{WorkerBody, worker_json};
 use async_nats::jetstream::{self, consumer, kv, stream};
 use bytes::Bytes;
 use futures::StreamExt;
-use kvroute_core::selector::{BookingOwner, SyncApplyError, SyncedBooking};
+use kvroute_core::event::Rank;
+use kvroute_core::selector::{
+    BookingOwner, SessionKey, SyncApplyError, SyncedBinding, SyncedBooking,
+};
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -28,7 +32,7 @@ mod publish;
 mod watchers;
 
 use publish::Publisher;
-use watchers::{consume_events, watch_bookings, watch_catalog};
+use watchers::{consume_events, watch_bookings, watch_catalog, watch_sessions};
 
 /// How long one NATS request (put, consumer creation, stream info) may take.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(3);
@@ -66,6 +70,8 @@ struct Ctx {
     js: jetstream::Context,
     bookings_bucket: String,
     catalog_bucket: String,
+    /// Session bindings' bucket, with session affinity on.
+    sessions_bucket: Option<String>,
     events_stream: String,
     events_subjects: String,
     /// Bumped on every reconnect: watchers restart, the publisher does a full reconciliation.
@@ -92,6 +98,20 @@ impl Ctx {
 
     async fn catalog(&self) -> Result<kv::Store, String> {
         ensure_kv(&self.js, &self.catalog_bucket, Duration::ZERO).await
+    }
+
+    /// A binding's entry lives its TTL past its last write, plus the booking expiry: a binding
+    /// held by a booking is not written again while the booking lives (the publisher writes
+    /// held bindings again at half that age).
+    fn session_max_age(&self) -> Duration {
+        let ttl = self.state.config.session_affinity_ttl_secs.unwrap_or(0.0);
+        self.booking_max_age() + Duration::from_secs_f64(ttl)
+    }
+
+    /// The sessions bucket (`None` without session affinity).
+    async fn sessions(&self) -> Option<Result<kv::Store, String>> {
+        let bucket = self.sessions_bucket.as_ref()?;
+        Some(ensure_kv(&self.js, bucket, self.session_max_age()).await)
     }
 
     async fn events(&self) -> Result<stream::Stream, String> {
@@ -230,6 +250,10 @@ pub async fn start(state: &Arc<AppState>) -> Result<Option<SyncTasks>, String> {
         js,
         bookings_bucket: format!("{prefix}_bookings"),
         catalog_bucket: format!("{prefix}_workers"),
+        sessions_bucket: state
+            .config
+            .session_affinity_ttl_secs
+            .map(|_| format!("{prefix}_sessions")),
         events_stream: format!("{prefix}_events"),
         events_subjects: format!("{prefix}.events.>"),
         generation,
@@ -237,6 +261,9 @@ pub async fn start(state: &Arc<AppState>) -> Result<Option<SyncTasks>, String> {
     // Fail early, with the reason, when JetStream is not there.
     ctx.catalog().await?;
     ctx.bookings().await?;
+    if let Some(sessions) = ctx.sessions().await {
+        sessions?;
+    }
     if shared.config.nats_relay_events {
         ctx.events().await?;
     }
@@ -249,6 +276,12 @@ pub async fn start(state: &Arc<AppState>) -> Result<Option<SyncTasks>, String> {
     let (ready_tx, ready_rx) = oneshot::channel();
     tasks.push(tokio::spawn(watch_bookings(Arc::clone(&ctx), ready_tx)));
     wait_caught_up("bookings", ready_rx, deadline).await;
+    if ctx.sessions_bucket.is_some() {
+        // After the bookings, so that the sessions they hold are known.
+        let (ready_tx, ready_rx) = oneshot::channel();
+        tasks.push(tokio::spawn(watch_sessions(Arc::clone(&ctx), ready_tx)));
+        wait_caught_up("sessions", ready_rx, deadline).await;
+    }
     if shared.config.nats_relay_events {
         let (ready_tx, ready_rx) = oneshot::channel();
         tasks.push(tokio::spawn(consume_events(Arc::clone(&ctx), ready_tx)));
@@ -267,6 +300,19 @@ pub async fn start(state: &Arc<AppState>) -> Result<Option<SyncTasks>, String> {
         _client: client,
         catch_up,
     }))
+}
+
+/// A binding's expiry on the wire (Unix µs), from the service's clock.
+fn idle_until_us(state: &AppState, idle_until: Instant) -> u64 {
+    let left = idle_until
+        .saturating_duration_since(state.now())
+        .as_micros();
+    codec::unix_micros().saturating_add(u64::try_from(left).unwrap_or(u64::MAX))
+}
+
+/// A binding's expiry on the service's clock, from the wire (in the past: now).
+fn idle_until_instant(state: &AppState, unix_us: u64) -> Instant {
+    state.now() + Duration::from_micros(unix_us.saturating_sub(codec::unix_micros()))
 }
 
 async fn wait_caught_up(what: &str, ready: oneshot::Receiver<()>, deadline: tokio::time::Instant) {

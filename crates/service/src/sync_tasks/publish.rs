@@ -28,6 +28,13 @@ enum Write {
         subject: String,
         value: Bytes,
     },
+    /// A session's binding (`None`: dropped, a tombstone).
+    PutSession {
+        session: SessionKey,
+        key: String,
+        state: Option<SyncedBinding>,
+        value: Bytes,
+    },
 }
 
 impl Write {
@@ -38,6 +45,8 @@ impl Write {
             Write::PutWorker { .. } => "catalog_put",
             Write::DeleteWorker { .. } => "catalog_delete",
             Write::Events { .. } => "events",
+            Write::PutSession { state: None, .. } => "session_drop",
+            Write::PutSession { .. } => "session_put",
         }
     }
 }
@@ -49,6 +58,10 @@ pub(super) struct Publisher {
     seq: u64,
     /// The bookings and catalog buckets, looked up again after a failure or a reconnect.
     stores: Option<(kv::Store, kv::Store)>,
+    /// The sessions bucket (with session affinity), looked up again likewise.
+    sessions_store: Option<kv::Store>,
+    /// What this replica last wrote for each binding it made, and when.
+    published_sessions: HashMap<SessionKey, (SyncedBinding, Instant)>,
 }
 
 impl Publisher {
@@ -58,6 +71,8 @@ impl Publisher {
             published: HashMap::new(),
             seq: 0,
             stores: None,
+            sessions_store: None,
+            published_sessions: HashMap::new(),
         }
     }
 
@@ -154,9 +169,13 @@ impl Publisher {
     async fn publish(&mut self, batch: Vec<SyncOp>) {
         let mut booking_ids = HashSet::new();
         let mut worker_ids = HashSet::new();
+        let mut sessions = HashSet::new();
         let mut writes = Vec::new();
         for op in batch {
             match op {
+                SyncOp::Session(key) => {
+                    sessions.insert(key);
+                }
                 SyncOp::Booking(id) => {
                     booking_ids.insert(id);
                 }
@@ -187,8 +206,16 @@ impl Publisher {
                 }
             }
         }
-        let (bookings, workers) = {
+        let (bookings, workers, bindings) = {
+            let now = self.ctx.state.now();
             let selector = self.ctx.state.selector.read();
+            let bindings: Vec<_> = sessions
+                .into_iter()
+                .map(|key| {
+                    let binding = selector.session_binding(&key, now);
+                    (key, binding)
+                })
+                .collect();
             let bookings: Vec<_> = booking_ids
                 .into_iter()
                 .map(|id| {
@@ -206,8 +233,11 @@ impl Publisher {
                 .into_iter()
                 .map(|w| (w, selector.worker(w).map(worker_json)))
                 .collect();
-            (bookings, workers)
+            (bookings, workers, bindings)
         };
+        for (session, binding) in bindings {
+            writes.extend(self.put_session(session, binding));
+        }
         for (id, current) in bookings {
             self.booking_writes(id, current, &mut writes);
         }
@@ -232,14 +262,67 @@ impl Publisher {
         self.execute(writes).await;
     }
 
+    /// The write of a session's binding as it is here (`None`: a tombstone).
+    fn put_session(&mut self, session: SessionKey, state: Option<SyncedBinding>) -> Option<Write> {
+        let (worker_id, dp_rank) = state.map_or((0, 0), |b| (b.rank.worker_id, b.rank.dp_rank));
+        let message = SessionMessage {
+            origin: self.origin(),
+            worker_id,
+            dp_rank,
+            idle_until_us: state
+                .and_then(|b| b.idle_until)
+                .map(|t| idle_until_us(&self.ctx.state, t)),
+            dropped: state.is_none(),
+        };
+        let value = Bytes::from(serde_json::to_vec(&message).ok()?);
+        Some(Write::PutSession {
+            key: codec::session_key(&session),
+            session,
+            state,
+            value,
+        })
+    }
+
+    /// The writes that bring the sessions bucket in line with the bindings this replica made:
+    /// those changed since written, and held ones written long ago (their entries must outlive
+    /// the bucket's max age). `full`: all of them.
+    fn session_writes(&mut self, full: bool, writes: &mut Vec<Write>) {
+        if self.ctx.sessions_bucket.is_none() {
+            return;
+        }
+        if full {
+            self.published_sessions.clear();
+        }
+        let now = self.ctx.state.now();
+        let local = self.ctx.state.selector.read().local_session_bindings(now);
+        let live: HashSet<&SessionKey> = local.iter().map(|(key, _)| key).collect();
+        self.published_sessions.retain(|key, _| live.contains(key));
+        let stale = self.ctx.session_max_age() / 2;
+        let due: Vec<(SessionKey, SyncedBinding)> = local
+            .iter()
+            .filter(|(key, binding)| match self.published_sessions.get(key) {
+                Some((published, at)) => {
+                    published != binding || now.saturating_duration_since(*at) >= stale
+                }
+                None => true,
+            })
+            .cloned()
+            .collect();
+        for (key, binding) in due {
+            writes.extend(self.put_session(key, Some(binding)));
+        }
+    }
+
     /// Brings the bucket in line with this replica's live bookings. `full`: do not trust what
     /// was published (after a reconnect): delete every own key that is not live, re-put all.
     async fn reconcile(&mut self, full: bool) {
         if full {
             self.stores = None;
+            self.sessions_store = None;
         }
         let live = self.live_bookings();
         let mut writes = Vec::new();
+        self.session_writes(full, &mut writes);
         if full {
             let live_keys: HashSet<&str> = live.iter().map(|(_, key, _)| key.as_str()).collect();
             match self.own_keys().await {
@@ -311,10 +394,16 @@ impl Publisher {
             self.failed(writes);
             return;
         };
+        if self.sessions_store.is_none()
+            && let Some(Ok(store)) = self.ctx.sessions().await
+        {
+            self.sessions_store = Some(store);
+        }
+        let sessions = self.sessions_store.clone();
         let js = &self.ctx.js;
         let results: Vec<(Write, bool)> = futures::stream::iter(writes)
             .map(|write| {
-                let (bookings, catalog) = (&bookings, &catalog);
+                let (bookings, catalog, sessions) = (&bookings, &catalog, &sessions);
                 async move {
                     let ok = match &write {
                         Write::PutBooking { key, value, .. } => {
@@ -331,6 +420,10 @@ impl Publisher {
                                 Err(_) => false,
                             }
                         }
+                        Write::PutSession { key, value, .. } => match sessions {
+                            Some(store) => store.put(key, value.clone()).await.is_ok(),
+                            None => false,
+                        },
                     };
                     (write, ok)
                 }
@@ -352,6 +445,17 @@ impl Publisher {
                 Write::DeleteBooking { id: Some(id), .. } => {
                     self.published.remove(&id);
                 }
+                Write::PutSession {
+                    session,
+                    state: Some(state),
+                    ..
+                } => {
+                    let now = self.ctx.state.now();
+                    self.published_sessions.insert(session, (state, now));
+                }
+                Write::PutSession { session, .. } => {
+                    self.published_sessions.remove(&session);
+                }
                 _ => {}
             }
         }
@@ -364,6 +468,7 @@ impl Publisher {
             return;
         }
         self.stores = None;
+        self.sessions_store = None;
         for write in &writes {
             self.ctx
                 .metrics()

@@ -348,3 +348,101 @@ fn apply_events_message(ctx: &Ctx, payload: &[u8], history: bool) {
         None => metrics.dropped("events", "unknown_worker", 1),
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Session bindings
+
+pub(super) async fn watch_sessions(ctx: Arc<Ctx>, ready: oneshot::Sender<()>) {
+    let mut catch_up = CatchUp(Some(ready));
+    let mut generation = ctx.generation.clone();
+    let Some(bucket) = ctx.sessions_bucket.clone() else {
+        catch_up.done();
+        return;
+    };
+    // The first catch-up after start restores this replica's own bindings too; later, its own
+    // values are what it already has.
+    let mut restoring = true;
+    loop {
+        let Some(store) = ctx.sessions().await else {
+            return;
+        };
+        let Some(mut watch) = history_watch(store).await else {
+            continue;
+        };
+        let mut initial = ctx.bucket_messages(&bucket).await > 0;
+        if !initial {
+            restoring = false;
+            catch_up.done();
+        }
+        loop {
+            tokio::select! {
+                entry = watch.next() => match entry {
+                    Some(Ok(entry)) => {
+                        apply_session_entry(&ctx, &entry, restoring);
+                        if initial && entry.delta == 0 {
+                            initial = false;
+                            restoring = false;
+                            catch_up.done();
+                        }
+                    }
+                    _ => break,
+                },
+                _ = tokio::time::sleep(CATCH_UP_IDLE), if initial => {
+                    initial = false;
+                    restoring = false;
+                    catch_up.done();
+                }
+                alive = Ctx::reconnected(&mut generation) => {
+                    if !alive {
+                        return;
+                    }
+                    break;
+                }
+            }
+        }
+    }
+}
+
+fn apply_session_entry(ctx: &Ctx, entry: &kv::Entry, restoring: bool) {
+    let metrics = ctx.metrics();
+    let Some(key) = codec::parse_session_key(&entry.key) else {
+        metrics.dropped("session", "malformed", 1);
+        return;
+    };
+    let state = &ctx.state;
+    if entry.operation != kv::Operation::Put {
+        state
+            .selector
+            .write()
+            .apply_synced_binding(&key, None, state.now());
+        metrics.applied("session_delete");
+        return;
+    }
+    let Some(message) = serde_json::from_slice::<SessionMessage>(&entry.value)
+        .ok()
+        .filter(|m| m.origin.v == VERSION)
+    else {
+        metrics.dropped("session", "malformed", 1);
+        return;
+    };
+    if message.origin.replica == ctx.replica() && !restoring {
+        metrics.dropped("session", "own", 1);
+        return;
+    }
+    let binding = (!message.dropped).then(|| SyncedBinding {
+        rank: Rank::new(message.worker_id, message.dp_rank),
+        idle_until: message
+            .idle_until_us
+            .map(|us| idle_until_instant(state, us)),
+    });
+    state
+        .selector
+        .write()
+        .apply_synced_binding(&key, binding, state.now());
+    metrics.applied(if message.dropped {
+        "session_drop"
+    } else {
+        "session_put"
+    });
+    metrics.observe_lag("session", codec::lag_secs(message.origin.ts_us));
+}

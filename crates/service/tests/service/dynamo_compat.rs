@@ -773,3 +773,177 @@ async fn constraints_exchanges_replay_with_dynamo_decisions() {
         report.join("\n")
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// Session affinity (`sessions.json`), with the capture's engine events and its pauses
+
+/// Exchanges of `sessions.json` where kvroute differs from Dynamo 1.6.1 on purpose.
+const SESSION_DEVIATIONS: &[(&str, &str)] = &[
+    (
+        "e_select",
+        "kvroute: an explicit booking with a session binds an unbound session (Dynamo's explicit bookings have no session fields)",
+    ),
+    (
+        "u_free_booking_of_incomplete_worker",
+        "kvroute keeps the bookings of a worker made incomplete (Dynamo drops them)",
+    ),
+];
+
+/// What the capture did between two recorded exchanges: the pauses (`time.sleep` in
+/// `bench/dynamo/capture.py`, played here by moving the service's clock) before an exchange,
+/// and the unrecorded frees after one.
+fn capture_pause_before(name: &str) -> f64 {
+    match name {
+        "k_select_booking_older_than_ttl" => 3.0,
+        "k_select_1s_after_free" | "m_select_and_reserve_1s_later" => 1.0,
+        "k_select_2_5s_after_free"
+        | "m_select_2_5s_after_first_free"
+        | "m_select_3s_after_second_free" => 1.5,
+        _ => 0.0,
+    }
+}
+
+fn capture_frees_after(name: &str) -> &'static [&'static str] {
+    match name {
+        "loads_bookings" => &["b-1", "b-2", "b-3", "b-4", "b-6", "b-7"],
+        _ => &[],
+    }
+}
+
+/// Dynamo's session scenario (`--session-affinity-ttl-secs 2`, both busy thresholds at 0.5;
+/// its `no_ttl_*` exchanges from an instance without the flag), replayed in order with the same
+/// engine events (worker 1 holds the prompt's 4 blocks) and the capture's pauses on the
+/// service's clock: the same status, worker and rank for every select and booking, the same
+/// error texts. Shapes are the main replay's business (busy thresholds add Dynamo's
+/// `decode_busy`, which kvroute does not report).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_exchanges_replay_as_recorded() {
+    use kvroute_testkit::fake_engine::FakeEngine;
+    use kvroute_wire::Encoding;
+    use serde_json::json;
+    use std::collections::HashMap;
+    use std::time::Duration;
+
+    let text = std::fs::read_to_string(fixtures().join("sessions.json")).expect("fixture");
+    let doc: Value = serde_json::from_str(&text).expect("fixture json");
+    let app = |args: &[&str]| {
+        let mut all = vec!["kvroute", "--router-profile", "dynamo"];
+        all.extend_from_slice(args);
+        TestApp::with_config(ServeConfig::parse_from(all).expect("flags"))
+    };
+    let no_ttl = app(&[]);
+    let ttl = app(&[
+        "--session-affinity-ttl-secs",
+        "2",
+        "--busy-decode-fraction",
+        "0.5",
+        "--busy-prefill-fraction",
+        "0.5",
+    ]);
+    let tokens: Vec<u32> = (1..=17).collect();
+    let held = capture_batch(&[1001, 1002, 1003, 1004], &tokens[..16], None, None);
+    // The capture's engine addresses → ours.
+    let mut engines: HashMap<String, FakeEngine> = HashMap::new();
+    let mut report = Vec::new();
+    let (mut compared, mut deviations_seen) = (0, 0);
+    for ex in doc["exchanges"].as_array().expect("exchanges") {
+        let name = ex["name"].as_str().expect("name");
+        let path = ex["path"].as_str().expect("path");
+        let target = if name.starts_with("no_ttl_") {
+            &no_ttl
+        } else {
+            &ttl
+        };
+        let pause = capture_pause_before(name);
+        if pause > 0.0 {
+            target.state.advance_clock(Duration::from_secs_f64(pause));
+        }
+        let mut request = ex["request"].clone();
+        if let Some(addr) = request["kv_events_endpoint"].as_str() {
+            if !engines.contains_key(addr) {
+                let engine = FakeEngine::bind("tcp://127.0.0.1:0", None, Encoding::Array)
+                    .await
+                    .expect("fake engine");
+                engines.insert(addr.to_string(), engine);
+            }
+            request["kv_events_endpoint"] = json!(engines[addr].pub_endpoint());
+        }
+        let method =
+            Method::from_bytes(ex["method"].as_str().expect("method").as_bytes()).expect("method");
+        let body = (!request.is_null()).then_some(request.clone());
+        let reply = target.call(method, path, body).await;
+        if name.ends_with("upsert_worker_1") {
+            // The capture's engine stored the prompt's blocks on worker 1 before going on.
+            let engine = engines
+                .get_mut(ex["request"]["kv_events_endpoint"].as_str().expect("addr"))
+                .expect("engine");
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            loop {
+                engine.publish_payload(held.clone()).await.expect("publish");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                let scores = target
+                    .post("/overlap_scores", json!({"token_ids": tokens}))
+                    .await;
+                if overlap_by_worker(&scores.body).get(&1) == Some(&json!([4, 4, 4])) {
+                    break;
+                }
+                assert!(std::time::Instant::now() < deadline, "events never indexed");
+            }
+        }
+        let want = ex["status"].as_u64().expect("status") as u16;
+        let theirs = &ex["response"];
+        let ours = &reply.body;
+        let problem = if reply.status.as_u16() != want {
+            Some(format!(
+                "status {} (Dynamo {want}): {}",
+                reply.status, reply.text
+            ))
+        } else if want >= 400 {
+            let strip = |m: &str| m.split(" at line ").next().unwrap_or("").to_string();
+            let (t, o) = (
+                strip(theirs["error"].as_str().unwrap_or("")),
+                strip(ours["error"].as_str().unwrap_or("")),
+            );
+            (t != o).then(|| format!("message {o:?} (Dynamo {t:?})"))
+        } else if path == "/select" || path == "/select_and_reserve" || path == "/reservations" {
+            let pick = |v: &Value| (v["worker_id"].clone(), v["dp_rank"].clone());
+            (pick(ours) != pick(theirs)).then(|| {
+                format!(
+                    "worker {} rank {} (Dynamo worker {} rank {})",
+                    ours["worker_id"], ours["dp_rank"], theirs["worker_id"], theirs["dp_rank"]
+                )
+            })
+        } else if path.starts_with("/workers") {
+            (ours["lifecycle"] != theirs["lifecycle"]).then(|| {
+                format!(
+                    "lifecycle {} (Dynamo {})",
+                    ours["lifecycle"], theirs["lifecycle"]
+                )
+            })
+        } else {
+            None
+        };
+        compared += 1;
+        if let Some(problem) = problem {
+            if SESSION_DEVIATIONS.iter().any(|(n, _)| *n == name) {
+                deviations_seen += 1;
+            } else {
+                report.push(format!("{name}: {problem}"));
+            }
+        }
+        // Responses never carry session fields.
+        for field in ["session_id", "session_context", "affinity_target"] {
+            assert!(ours.get(field).is_none(), "{name}: {field} echoed");
+        }
+        for id in capture_frees_after(name) {
+            target.delete(&format!("/reservations/{id}")).await;
+        }
+    }
+    assert_eq!(compared, 129);
+    assert!(
+        report.is_empty(),
+        "differences from Dynamo's session exchanges:\n{}",
+        report.join("\n")
+    );
+    assert_eq!(deviations_seen, SESSION_DEVIATIONS.len());
+}

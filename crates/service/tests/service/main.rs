@@ -5,6 +5,7 @@
 //! - [`http`]: the HTTP service end to end, every error row, limits, shutdown, a real socket.
 //! - [`ingest`]: live KV events from fake engines over real ZeroMQ sockets.
 //! - [`replicas`]: replicas sharing state through a real `nats-server`.
+//! - [`sessions`]: session affinity over HTTP: soft mode, explicit bookings, its metrics.
 //! - [`common`]: the in-process app, the raw client and the `nats-server` they share.
 //!
 //! Fixtures are read from `tests/fixtures` under the crate's directory.
@@ -18,3 +19,4 @@ mod dynamo_compat;
 mod http;
 mod ingest;
 mod replicas;
+mod sessions;

@@ -748,6 +748,122 @@ async fn worker_taints_travel_with_the_catalog() {
     assert_eq!(b.app.post("/select", select("gpu=h100")).await.status, 503);
     let reply = b.app.post("/select", select("gpu=a100")).await;
     assert_eq!(reply.body["worker_id"], json!(2), "{}", reply.text);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Session affinity
+
+/// The rank a replica's table binds `session` to, if alive.
+fn bound(replica: &Replica, session: &str) -> Option<(u64, u32)> {
+    let key =
+        kvroute_core::selector::SessionKey::new(&PartitionKey::new(MODEL, "default"), session);
+    let state = replica.state();
+    let binding = state.selector.read().session_binding(&key, state.now());
+    binding.map(|b| (b.rank.worker_id, b.rank.dp_rank))
+}
+
+/// Whether `session`'s binding on `replica` is idle (expiring) rather than held by a booking.
+fn idle(replica: &Replica, session: &str) -> bool {
+    let key =
+        kvroute_core::selector::SessionKey::new(&PartitionKey::new(MODEL, "default"), session);
+    let state = replica.state();
+    let binding = state.selector.read().session_binding(&key, state.now());
+    binding.is_some_and(|b| b.idle_until.is_some())
+}
+
+/// `select_and_reserve` of a 17-token prompt in `session` under `id`; the status and worker.
+async fn book_session(
+    replica: &Replica,
+    session: &str,
+    id: &str,
+    allowed: Option<&[u64]>,
+) -> (u16, Value) {
+    let mut body = json!({"model_name": MODEL, "token_ids": tokens(1, 17),
+                          "reservation_id": id, "session_id": session});
+    if let Some(allowed) = allowed {
+        body["allowed_worker_ids"] = json!(allowed);
+    }
+    let reply = replica.app.post("/select_and_reserve", body).await;
+    (reply.status.as_u16(), reply.body["worker_id"].clone())
+}
+
+/// Moves both replicas' clocks past the TTL and runs their housekeeping.
+fn after_the_ttl(replicas: &[&Replica]) {
+    for r in replicas {
+        r.state().advance_clock(Duration::from_secs(61));
+        r.state().tick(r.state().now());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_bindings_are_shared_survive_a_restart_and_expire_everywhere() {
+    let nats = Nats::start();
+    let ttl = ["--session-affinity-ttl-secs", "60"];
+    let a = replica(&nats, "a", &ttl).await;
+    let b = replica(&nats, "b", &ttl).await;
+    for id in [1, 2, 3] {
+        assert_eq!(a.app.post("/workers", worker(id)).await.status, 201);
+    }
+    eventually("catalog", || workers(b.state()).len() == 3).await;
+
+    // A binds session s to worker 2; B sees the binding and routes s there.
+    assert_eq!(
+        book_session(&a, "s", "a1", Some(&[2])).await,
+        (200, json!(2))
+    );
+    eventually("B learns s → 2", || bound(&b, "s") == Some((2, 0))).await;
+    assert_eq!(book_session(&b, "s", "b1", None).await, (200, json!(2)));
+    // A's booking ends; B's still holds the session on both replicas past the TTL.
+    free(&a, "a1").await;
+    eventually("A sees B's booking", || total_requests(a.state()) == 1).await;
+    after_the_ttl(&[&a, &b]);
+    assert_eq!(
+        (bound(&a, "s"), bound(&b, "s")),
+        (Some((2, 0)), Some((2, 0)))
+    );
+    // B's booking ends: the binding idles on both, and expires on both.
+    free(&b, "b1").await;
+    eventually("A sees the session idle", || idle(&a, "s")).await;
+    assert!(idle(&b, "s"));
+    after_the_ttl(&[&a, &b]);
+    assert_eq!((bound(&a, "s"), bound(&b, "s")), (None, None));
+
+    // B binds r (then idle) and h (held by its booking), and restarts under the same id.
+    assert_eq!(
+        book_session(&b, "r", "b2", Some(&[3])).await,
+        (200, json!(3))
+    );
+    free(&b, "b2").await;
+    assert_eq!(
+        book_session(&b, "h", "b3", Some(&[1])).await,
+        (200, json!(1))
+    );
+    eventually("A learns r and h", || {
+        bound(&a, "r") == Some((3, 0)) && idle(&a, "r") && bound(&a, "h") == Some((1, 0))
+    })
+    .await;
+    drop(b);
+    let b = replica(&nats, "b", &ttl).await;
+    assert_eq!(bound(&b, "r"), Some((3, 0)), "idle binding recovered");
+    assert!(idle(&b, "r"));
+    assert_eq!(bound(&b, "h"), Some((1, 0)), "held binding recovered");
+    assert!(!idle(&b, "h"), "held by its recovered booking");
+    // The recovered booking's free lets h idle, here and on A.
+    free(&b, "b3").await;
+    assert!(idle(&b, "h"));
+    eventually("A sees h idle", || idle(&a, "h")).await;
+
+    // A refused booking drops the binding on every replica.
+    assert_eq!(book_session(&a, "h", "a2", Some(&[2])).await.0, 400);
+    eventually("B drops h", || bound(&b, "h").is_none()).await;
+    assert!(
+        metric(
+            &b,
+            "kvroute_sync_messages_applied_total{kind=\"session_put\"}"
+        )
+        .await
+            > 0.0
+    );
     drop(a.tasks);
     drop(b.tasks);
 }

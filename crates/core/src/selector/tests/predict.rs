@@ -122,7 +122,7 @@ fn a_booking_predicts_its_blocks_for_the_next_select() {
     assert_eq!(s.predicted_blocks(), 4);
     assert_eq!(s.prediction_counters(), counters(4, 0, 0, 0));
     // Freeing the booking keeps the prediction: the engine keeps what it cached.
-    s.free("a").unwrap();
+    s.free("a", now).unwrap();
     assert_eq!(overlap(&s, first.worker_id, &prompt), (4, 4));
 }
 
@@ -489,6 +489,7 @@ fn another_replicas_booking_counts_as_load_only() {
         prefill_complete: false,
         output_blocks: 0,
         decode_blocks: 4,
+        session_id: None,
     };
     s.apply_synced_booking(BookingOwner::Remote("r2"), "a", &state, now)
         .unwrap();

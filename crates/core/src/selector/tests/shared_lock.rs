@@ -81,8 +81,8 @@ fn shared_lifecycle_calls_leave_the_state_exclusive_ones_do() {
         shared.output_block_shared("r1", Some(0.5), later),
         Ok(Some(()))
     );
-    exclusive.free("r2").unwrap();
-    assert_eq!(shared.free_shared("r2"), Ok(Some(())));
+    exclusive.free("r2", now).unwrap();
+    assert_eq!(shared.free_shared("r2", now), Ok(Some(())));
     assert_eq!(load_state(&exclusive), load_state(&shared));
     // The same errors, with the same texts.
     let replayed = ReservationRequest::replay(&p, "r0");
@@ -97,8 +97,8 @@ fn shared_lifecycle_calls_leave_the_state_exclusive_ones_do() {
             .to_string()
     );
     assert_eq!(
-        shared.free_shared("r2").unwrap_err().to_string(),
-        exclusive.free("r2").unwrap_err().to_string()
+        shared.free_shared("r2", now).unwrap_err().to_string(),
+        exclusive.free("r2", now).unwrap_err().to_string()
     );
     assert_eq!(
         shared
@@ -146,12 +146,12 @@ fn shared_calls_that_would_change_a_cache_model_change_nothing_and_ask_for_exclu
         );
         s.create_reservation(&replay, now).unwrap();
         if policy == CachePolicy::Lru {
-            assert_eq!(s.free_shared("m"), Ok(None));
+            assert_eq!(s.free_shared("m", now), Ok(None));
             assert_eq!(s.output_block_shared("m", None, now), Ok(None));
             assert!(s.load_tracker().booking("m").is_some(), "still booked");
         }
         assert_eq!(s.prefill_complete_shared("m", now), Ok(()));
-        s.free("m").unwrap();
+        s.free("m", now).unwrap();
         assert!(s.load_tracker().is_empty());
     }
     // The explicit form always takes the exclusive path.

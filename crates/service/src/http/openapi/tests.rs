@@ -284,7 +284,12 @@ fn the_recorder_finds_nested_structs_and_aliases() {
         structs[&vec!["routing_constraints"]].0,
         "RoutingConstraints"
     );
-    assert_eq!(structs.len(), 9);
+    assert_eq!(
+        structs[&vec!["session_context"]].0,
+        "SelectionSessionContext"
+    );
+    assert_eq!(structs[&vec!["affinity_target"]].0, "WorkerAffinityTarget");
+    assert_eq!(structs.len(), 11);
 }
 
 // ---------------------------------------------------------------------------------------------
