@@ -561,10 +561,17 @@ impl Selector {
             Some(_) if req.pinned_worker.is_some() || req.affinity_target.is_some() => {
                 SessionChoice::Keep
             }
+            // The request excludes the bound worker: by its allowed workers, or by required
+            // taints the worker lacks (Dynamo refuses such a booking with 400).
             Some(bound)
                 if req
                     .allowed_worker_ids
-                    .is_some_and(|allowed| !allowed.contains(&bound.worker_id)) =>
+                    .is_some_and(|allowed| !allowed.contains(&bound.worker_id))
+                    || req.routing_constraints.is_some_and(|c| {
+                        self.workers
+                            .get(&bound.worker_id)
+                            .is_some_and(|record| !c.admits(&record.spec))
+                    }) =>
             {
                 SessionChoice::Conflict {
                     bound_worker: bound.worker_id,

@@ -558,18 +558,9 @@ async fn multimodal_exchanges_replay_with_the_recorded_events() {
 // ---------------------------------------------------------------------------------------------
 // Routing constraints (`constraints.json`): worker taints, required and preferred taints
 
-/// Exchanges of `constraints.json` that are not sent: they need session affinity
-/// (`session_id`, bound by an earlier booking), which kvroute does not implement yet.
-const CONSTRAINTS_SKIPPED: &[(&str, &str)] = &[
-    (
-        "t_select_preferred_away_from_bound_worker",
-        "needs session affinity: Dynamo keeps a bound session on its worker whatever the preferred taints",
-    ),
-    (
-        "t_select_and_reserve_required_excludes_bound_worker",
-        "needs session affinity: Dynamo refuses (400) a booking whose required taints exclude the session's worker",
-    ),
-];
+/// Exchanges of `constraints.json` that are not sent (none: the scenario ran with
+/// `--session-affinity-ttl-secs 60`, as the replay does).
+const CONSTRAINTS_SKIPPED: &[(&str, &str)] = &[];
 
 const CEIL: &str = "SPEC §7.8: blocks are counted with ceil(isl / block_size) in every route (Dynamo floors /loads, /potential_loads and the booked decode blocks)";
 
@@ -583,6 +574,11 @@ const CONSTRAINTS_DEVIATIONS: &[(&str, &str, &str)] = &[
     ),
     // Worker 1 holds the session's 17-token booking: 5 blocks booked, not 4.
     ("t_select_after", "potential_decode_blocks", CEIL),
+    (
+        "t_select_preferred_away_from_bound_worker",
+        "potential_decode_blocks",
+        CEIL,
+    ),
     (
         "t_select_after_rejected_reserve",
         "potential_decode_blocks",
@@ -678,8 +674,15 @@ async fn constraints_exchanges_replay_with_dynamo_decisions() {
 
     let text = std::fs::read_to_string(fixtures().join("constraints.json")).expect("fixture");
     let doc: Value = serde_json::from_str(&text).expect("fixture json");
-    let config = ServeConfig::parse_from(["kvroute", "--router-profile", "dynamo"])
-        .expect("the dynamo profile");
+    // As the capture ran Dynamo: `--session-affinity-ttl-secs 60`.
+    let config = ServeConfig::parse_from([
+        "kvroute",
+        "--router-profile",
+        "dynamo",
+        "--session-affinity-ttl-secs",
+        "60",
+    ])
+    .expect("the dynamo profile");
     let app = TestApp::with_config(config);
     let tokens: Vec<u32> = (1..=17).collect();
     let mut engines: HashMap<u64, FakeEngine> = HashMap::new();
