@@ -1,5 +1,7 @@
-//! What a slow or idle client may hold (issue 31): [`serve`](super::serve) accepts through a
-//! [`GuardedListener`], whose connections are [`GuardedIo`]s.
+//! Serving connections, and what a slow or idle client may hold (issue 31). [`serve`] accepts
+//! through a [`GuardedListener`] and serves each connection with hyper's HTTP/1, over a
+//! `GuardedIo`, until the shutdown signal; then it stops accepting, lets each connection
+//! finish the request it has and waits for them all.
 //!
 //! - `--max-connections`: the listener counts open connections. At the limit it accepts each
 //!   new connection and closes it at once, sending nothing: the kernel's backlog keeps draining
@@ -14,39 +16,85 @@
 //! - `--body-read-timeout-ms` is not here: the body extractors time their own reads
 //!   (`json::body_bytes`), where a late body is still answered, with a 408.
 //!
-//! A connection that runs out of time is closed (its read fails with `TimedOut`, which ends
-//! hyper's connection). While the router has a request, from its parsed head to its answer,
-//! nothing here closes the connection: in-flight requests always finish.
+//! A connection that runs out of time is closed: its blocked read or write fails with
+//! `TimedOut`, which ends hyper's connection. While the router has a request, from its parsed
+//! head to its answer, nothing here closes the connection: in-flight requests always finish.
 //!
-//! How it knows the phase: hyper calls the connection's [`ConnectionService`] once a request's
-//! head is parsed, and the service's future completes when the router has answered; both mark
-//! it in the connection's [`Phase`]; a write of the answer sets the idle deadline. The
-//! connection has one timer, checked only when a read would block. A later deadline does not
-//! move it: it fires early and is set on then (at most once per idle timeout of a kept-alive
-//! connection); it is moved only when a deadline comes earlier (a slow head after an idle
-//! spell). A request so costs two relaxed stores, an `Arc` clone (two with the clone of the
-//! service hyper-util makes per request) and a clock read; no allocation, task or timer
-//! registration.
+//! How it knows the phase: hyper calls the connection's `ConnectionService` as soon as a
+//! request's head is parsed, and the service's future completes when the router has answered;
+//! both mark it in the connection's `Phase`; a write of the answer sets the idle deadline.
+//! The connection has one alarm, looked at only when a read or write would block. A later
+//! deadline does not move it: it goes off early and is set on then (at most once per idle
+//! timeout of a busy connection); it is moved only when a deadline comes earlier (a slow head
+//! after an idle spell). A request so costs two relaxed stores, an `Arc` clone, a clock read
+//! and a relaxed load of the alarm's state; no allocation, task or timer registration.
 
 use crate::config::ConnectionLimits;
 use crate::metrics::ConnectionMetrics;
 use axum::Router;
-use axum::extract::Request;
 use axum::response::Response;
 use axum::routing::future::RouteFuture;
-use axum::serve::{IncomingStream, Listener};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
 use std::convert::Infallible;
 use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
-use std::pin::Pin;
+use std::pin::{Pin, pin};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::task::{Context, Poll, ready};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
 use tokio::time::{Instant, Sleep};
-use tower_service::Service;
+use tower_service::Service as _;
+
+/// Serves `router` on `listener`'s connections until `shutdown` resolves; then accepts no
+/// more, lets every connection finish its request (an idle one closes at once) and returns
+/// once all have closed.
+pub async fn serve(
+    mut listener: GuardedListener,
+    router: Router,
+    shutdown: impl Future<Output = ()>,
+) {
+    // Each connection holds a receiver of both: `stop` tells it to finish, and the server waits
+    // for every `open` receiver to be dropped.
+    let (stop_tx, stop_rx) = watch::channel(());
+    let (open_tx, open_rx) = watch::channel(());
+    let mut shutdown = pin!(shutdown);
+    loop {
+        let io = tokio::select! {
+            io = listener.accept() => io,
+            () = &mut shutdown => break,
+        };
+        let service = ConnectionService {
+            router: router.clone(),
+            phase: Arc::clone(&io.phase),
+        };
+        let (mut stop, open) = (stop_rx.clone(), open_rx.clone());
+        tokio::spawn(async move {
+            let builder = hyper::server::conn::http1::Builder::new();
+            let mut connection = pin!(builder.serve_connection(TokioIo::new(io), service));
+            let result = tokio::select! {
+                result = connection.as_mut() => result,
+                // The one change there is: shutdown.
+                _ = stop.changed() => {
+                    connection.as_mut().graceful_shutdown();
+                    connection.await
+                }
+            };
+            if let Err(error) = result {
+                tracing::trace!(%error, "connection ended with an error");
+            }
+            drop(open);
+        });
+    }
+    drop(listener);
+    drop(open_rx);
+    let _ = stop_tx.send(());
+    open_tx.closed().await;
+}
 
 /// What every connection shares: the limits, the count of open connections, the counters.
 #[derive(Debug)]
@@ -94,17 +142,14 @@ impl GuardedListener {
         shared.metrics.open.inc();
         true
     }
-}
 
-impl Listener for GuardedListener {
-    type Io = GuardedIo;
-    type Addr = SocketAddr;
-
-    async fn accept(&mut self) -> (GuardedIo, SocketAddr) {
+    /// The next connection under the limit; those beyond it are closed as they come.
+    async fn accept(&mut self) -> GuardedIo {
         loop {
             // axum's accept retries at once after a connection's own error and after 1 s after
             // any other (such as running out of file descriptors).
-            let (stream, addr) = Listener::accept(&mut self.listener).await;
+            let (stream, _): (TcpStream, SocketAddr) =
+                axum::serve::Listener::accept(&mut self.listener).await;
             if !self.admit() {
                 drop(stream);
                 self.shared.metrics.refused.inc();
@@ -121,17 +166,13 @@ impl Listener for GuardedListener {
             if let Err(error) = stream.set_nodelay(true) {
                 tracing::debug!(%error, "cannot set TCP_NODELAY");
             }
-            return (GuardedIo::new(stream, Arc::clone(&self.shared)), addr);
+            return GuardedIo::new(stream, Arc::clone(&self.shared));
         }
-    }
-
-    fn local_addr(&self) -> io::Result<SocketAddr> {
-        self.listener.local_addr()
     }
 }
 
-/// Where a connection's current request is, written by [`ConnectionService`] and
-/// [`GuardedIo`] (both driven by the connection's one task: the atomics only make it `Sync`).
+/// Where a connection's current request is, written by `ConnectionService` and `GuardedIo`
+/// (both driven by the connection's one task: the atomics only make it `Sync`).
 #[derive(Debug, Default)]
 struct Phase(AtomicU8);
 
@@ -160,19 +201,24 @@ enum Wait {
     Idle,
 }
 
-/// One accepted connection: the stream, its request's phase and its one timer. Closing it
+/// One accepted connection: the stream, its request's phase and its one alarm. Closing it
 /// (dropping) gives its slot back.
 #[derive(Debug)]
-pub struct GuardedIo {
+struct GuardedIo {
     stream: TcpStream,
     shared: Arc<Shared>,
     phase: Arc<Phase>,
-    /// Never later than `deadline`; may be earlier (then it fires and is set on).
+    /// The connection's one alarm. Once armed it goes off no later than `deadline`, maybe
+    /// earlier (then it is set on when it does).
     timer: Pin<Box<Sleep>>,
-    /// What the connection waits for, and until when; `None` once that is over, until a read
-    /// blocks again.
+    /// The alarm was polled since it was last set: it will wake the connection's task, the
+    /// one task (axum's) that drives this stream.
+    armed: bool,
+    /// What the connection waits for, and until when; `None` while a request is in flight,
+    /// and from a kept-alive connection's next request's first byte to the first time a read
+    /// blocks.
     deadline: Option<(Wait, Instant)>,
-    /// The connection ran out of time: every read fails from then on.
+    /// The connection ran out of time: every blocked read and write fails from then on.
     expired: bool,
 }
 
@@ -184,16 +230,49 @@ impl GuardedIo {
             shared,
             phase: Arc::default(),
             timer: Box::pin(tokio::time::sleep_until(head_by)),
+            armed: false,
             deadline: Some((Wait::Head, head_by)),
             expired: false,
         }
     }
 
-    /// A read would block: `Pending`, or the error that ends the connection when what it waits
-    /// for is late.
-    fn poll_deadline(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+    /// A new deadline; the alarm is disarmed only if it must go off earlier.
+    fn set_deadline(&mut self, wait: Wait, at: Instant) {
+        self.deadline = Some((wait, at));
+        if self.timer.deadline() > at {
+            self.armed = false;
+        }
+    }
+
+    /// Arms the alarm for `at` unless it is armed already: `Ready` once `at` has passed.
+    fn poll_alarm(&mut self, cx: &mut Context<'_>, at: Instant) -> Poll<()> {
+        if self.armed && !self.timer.is_elapsed() {
+            return Poll::Pending;
+        }
+        loop {
+            if self.timer.deadline() > at {
+                self.timer.as_mut().reset(at);
+            }
+            match self.timer.as_mut().poll(cx) {
+                Poll::Pending => {
+                    self.armed = true;
+                    return Poll::Pending;
+                }
+                Poll::Ready(()) if self.timer.deadline() >= at => {
+                    self.armed = false;
+                    return Poll::Ready(());
+                }
+                // An earlier deadline's alarm: set it for this one.
+                Poll::Ready(()) => self.timer.as_mut().reset(at),
+            }
+        }
+    }
+
+    /// A read or write would block: `Pending`, or the error that ends the connection when
+    /// what it waits for is late.
+    fn poll_deadline(&mut self, cx: &mut Context<'_>, writing: bool) -> Poll<io::Error> {
         if self.expired {
-            return Poll::Ready(Err(timed_out()));
+            return Poll::Ready(timed_out());
         }
         let wait = match self.phase.get() {
             Phase::HEAD => Wait::Head,
@@ -203,8 +282,10 @@ impl GuardedIo {
                 return Poll::Pending;
             }
         };
-        let deadline = match self.deadline {
+        let at = match self.deadline {
             Some((current, at)) if current == wait => at,
+            // The answer's first write sets the idle deadline (`wrote`), or its blocking here.
+            None if wait == Wait::Idle && !writing => return Poll::Pending,
             _ => {
                 let limits = &self.shared.limits;
                 let at = Instant::now()
@@ -212,21 +293,11 @@ impl GuardedIo {
                         Wait::Head => limits.header_read_timeout,
                         Wait::Idle => limits.idle_timeout,
                     };
-                self.deadline = Some((wait, at));
+                self.set_deadline(wait, at);
                 at
             }
         };
-        loop {
-            if self.timer.deadline() > deadline {
-                self.timer.as_mut().reset(deadline);
-            }
-            match self.timer.as_mut().poll(cx) {
-                Poll::Pending => return Poll::Pending,
-                Poll::Ready(()) if self.timer.deadline() >= deadline => break,
-                // An earlier deadline's alarm: set it for this one.
-                Poll::Ready(()) => self.timer.as_mut().reset(deadline),
-            }
-        }
+        ready!(self.poll_alarm(cx, at));
         self.expired = true;
         let metrics = &self.shared.metrics;
         match wait {
@@ -234,14 +305,26 @@ impl GuardedIo {
             Wait::Idle => metrics.idle_timeouts.inc(),
         };
         tracing::debug!(?wait, "closing a connection that ran out of time");
-        Poll::Ready(Err(timed_out()))
+        Poll::Ready(timed_out())
     }
 
-    /// After a write: bytes of an answer moving restart the idle time.
-    fn wrote(&mut self, written: &Poll<io::Result<usize>>) {
-        if matches!(written, Poll::Ready(Ok(n)) if *n > 0) && self.phase.get() == Phase::ANSWERED {
-            let idle_by = Instant::now() + self.shared.limits.idle_timeout;
-            self.deadline = Some((Wait::Idle, idle_by));
+    /// After a write: an answer's bytes moving start the idle time again; a blocked write
+    /// counts as a blocked read does.
+    fn wrote(
+        &mut self,
+        cx: &mut Context<'_>,
+        written: Poll<io::Result<usize>>,
+    ) -> Poll<io::Result<usize>> {
+        match written {
+            Poll::Ready(Ok(n)) if n > 0 && self.phase.get() == Phase::ANSWERED => {
+                let at = Instant::now() + self.shared.limits.idle_timeout;
+                self.set_deadline(Wait::Idle, at);
+                // Armed for it; should it have passed already, the next blocked call says so.
+                let _ = self.poll_alarm(cx, at);
+                written
+            }
+            Poll::Pending => self.poll_deadline(cx, true).map(Err),
+            written => written,
         }
     }
 }
@@ -269,7 +352,7 @@ impl AsyncRead for GuardedIo {
         let this = self.get_mut();
         let filled = buf.filled().len();
         match Pin::new(&mut this.stream).poll_read(cx, buf) {
-            Poll::Pending => this.poll_deadline(cx),
+            Poll::Pending => this.poll_deadline(cx, false).map(Err),
             Poll::Ready(Ok(())) => {
                 if buf.filled().len() > filled && this.phase.get() == Phase::ANSWERED {
                     // The next request's first bytes: its head is due from now.
@@ -291,8 +374,7 @@ impl AsyncWrite for GuardedIo {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         let written = Pin::new(&mut this.stream).poll_write(cx, buf);
-        this.wrote(&written);
-        written
+        this.wrote(cx, written)
     }
 
     fn poll_write_vectored(
@@ -302,8 +384,7 @@ impl AsyncWrite for GuardedIo {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         let written = Pin::new(&mut this.stream).poll_write_vectored(cx, bufs);
-        this.wrote(&written);
-        written
+        this.wrote(cx, written)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -319,62 +400,29 @@ impl AsyncWrite for GuardedIo {
     }
 }
 
-/// Makes each connection's [`ConnectionService`]: the make-service `axum::serve` takes.
-#[derive(Debug, Clone)]
-pub struct MakeConnectionService {
-    router: Router,
-}
-
-impl MakeConnectionService {
-    pub fn new(router: Router) -> Self {
-        Self { router }
-    }
-}
-
-impl Service<IncomingStream<'_, GuardedListener>> for MakeConnectionService {
-    type Response = ConnectionService;
-    type Error = Infallible;
-    type Future = std::future::Ready<Result<ConnectionService, Infallible>>;
-
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, stream: IncomingStream<'_, GuardedListener>) -> Self::Future {
-        std::future::ready(Ok(ConnectionService {
-            router: self.router.clone(),
-            phase: Arc::clone(&stream.io().phase),
-        }))
-    }
-}
-
 /// The router as one connection's service: it marks its requests' phases for the connection.
 #[derive(Debug, Clone)]
-pub struct ConnectionService {
+struct ConnectionService {
     router: Router,
     phase: Arc<Phase>,
 }
 
-impl Service<Request> for ConnectionService {
+impl hyper::service::Service<hyper::Request<Incoming>> for ConnectionService {
     type Response = Response;
     type Error = Infallible;
     type Future = Answered;
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        Service::<Request>::poll_ready(&mut self.router, cx)
-    }
-
-    fn call(&mut self, request: Request) -> Answered {
+    fn call(&self, request: hyper::Request<Incoming>) -> Answered {
         self.phase.set(Phase::IN_FLIGHT);
         Answered {
-            future: self.router.call(request),
+            future: self.router.clone().call(request),
             phase: Arc::clone(&self.phase),
         }
     }
 }
 
 /// The router's answer to a request; marks the connection's phase when it comes.
-pub struct Answered {
+struct Answered {
     future: RouteFuture<Infallible>,
     phase: Arc<Phase>,
 }

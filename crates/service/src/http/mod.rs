@@ -278,14 +278,13 @@ pub async fn serve(
     let drain_state = Arc::clone(&state);
     let listener =
         connections::GuardedListener::new(listener, limits, state.metrics.connections.clone());
-    let make_service = connections::MakeConnectionService::new(app(state));
-    axum::serve(listener, make_service)
-        .with_graceful_shutdown(async move {
-            shutdown.await;
-            tracing::info!("shutting down: refusing new work, finishing in-flight requests");
-            drain_state.begin_shutdown();
-        })
-        .await
+    connections::serve(listener, app(state), async move {
+        shutdown.await;
+        tracing::info!("shutting down: refusing new work, finishing in-flight requests");
+        drain_state.begin_shutdown();
+    })
+    .await;
+    Ok(())
 }
 
 #[cfg(test)]

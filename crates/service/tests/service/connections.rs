@@ -547,3 +547,36 @@ async fn a_late_body_is_a_408_and_a_slow_one_in_time_is_served() {
     assert_eq!(response.status(), 200);
     feeder.await.expect("feeder");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_does_not_read_its_answers_is_closed_as_idle() {
+    let served = serve(&["--idle-timeout-secs=0.5"]).await;
+    // A small receive buffer and 400 pipelined requests for the OpenAPI document: the answers
+    // fill the socket's buffers and the service's writes block.
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
+    let mut stuck = socket.connect(served.addr).await.expect("connect");
+    let request = b"GET /openapi.json HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n";
+    stuck
+        .write_all(&request.repeat(400))
+        .await
+        .expect("write the requests");
+    let mut client = served.client().await;
+    let start = Instant::now();
+    let idle = "kvroute_http_connection_timeouts_total{phase=\"idle\"}";
+    while metric(&mut client, idle).await < 1.0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "a client not reading its answers held its connection for 5 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    println!(
+        "a client not reading its answers was closed {:?} after its requests",
+        start.elapsed()
+    );
+    assert!(start.elapsed() >= Duration::from_millis(450));
+    let closed = until_closed(&mut stuck, Duration::from_secs(5)).await;
+    assert!(closed.text().starts_with("HTTP/1.1 200"));
+    served.stop().await;
+}
