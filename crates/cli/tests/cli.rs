@@ -293,3 +293,90 @@ fn serve_takes_the_session_affinity_ttl_values_dynamo_takes() {
         }
     }
 }
+
+/// One flag of `kvroute serve --help`: its environment variable and its default, if shown.
+#[derive(Debug, PartialEq)]
+struct Knob {
+    env: String,
+    default: Option<String>,
+}
+
+fn help_knobs(help: &str) -> std::collections::BTreeMap<String, Knob> {
+    let mut knobs = std::collections::BTreeMap::new();
+    let mut current: Option<(String, Knob)> = None;
+    for line in help.lines().map(str::trim) {
+        if let Some(flag) = line.strip_prefix("--") {
+            let name = flag.split_whitespace().next().unwrap_or_default();
+            if let Some((name, knob)) = current.take() {
+                knobs.insert(name, knob);
+            }
+            if name != "help" {
+                let knob = Knob {
+                    env: String::new(),
+                    default: None,
+                };
+                current = Some((format!("--{name}"), knob));
+            }
+        } else if let Some((_, knob)) = current.as_mut() {
+            if let Some(env) = line.strip_prefix("[env: ") {
+                knob.env = env.split('=').next().unwrap_or_default().to_string();
+            } else if let Some(default) = line.strip_prefix("[default: ") {
+                knob.default = Some(default.trim_end_matches(']').to_string());
+            }
+        }
+    }
+    knobs.extend(current);
+    knobs
+}
+
+/// The rows of the README's configuration table: flag → (variable, default cell).
+fn readme_knobs(readme: &str) -> std::collections::BTreeMap<String, (String, String)> {
+    let section = readme
+        .split("\n## Configuration\n")
+        .nth(1)
+        .expect("a Configuration section")
+        .split("\n## ")
+        .next()
+        .unwrap_or_default();
+    let code = |cell: &str| cell.trim().trim_matches('`').to_string();
+    section
+        .lines()
+        .filter(|line| line.starts_with("| `--"))
+        .map(|line| {
+            let cells: Vec<&str> = line.split(" | ").collect();
+            assert!(cells.len() >= 4, "a row of four cells: {line}");
+            let flag = code(cells[0].trim_start_matches('|'));
+            (flag, (code(cells[1]), cells[2].trim().to_string()))
+        })
+        .collect()
+}
+
+#[test]
+fn the_readme_configuration_table_matches_serve_help() {
+    let (code, help, _) = kvroute(&["serve", "--help"], "");
+    assert_eq!(code, 0);
+    let knobs = help_knobs(&help);
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md"))
+        .expect("README.md");
+    let rows = readme_knobs(&readme);
+    assert!(knobs.len() > 30, "{knobs:?}");
+    let flags: Vec<&String> = knobs.keys().collect();
+    assert_eq!(flags, rows.keys().collect::<Vec<_>>(), "the same flags");
+    for (flag, knob) in &knobs {
+        let (env, default) = &rows[flag];
+        assert_eq!(&knob.env, env, "{flag}'s variable");
+        // A default `--help` shows is the first code span of the README's cell.
+        if let Some(shown) = &knob.default {
+            let cell = default.split('`').nth(1).unwrap_or_default();
+            assert_eq!(cell, shown, "{flag}'s default: README says {default}");
+        }
+    }
+    for flag in [
+        "--header-read-timeout-ms",
+        "--body-read-timeout-ms",
+        "--idle-timeout-secs",
+        "--max-connections",
+    ] {
+        assert!(knobs.contains_key(flag), "{flag}");
+    }
+}

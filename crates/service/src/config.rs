@@ -47,6 +47,23 @@ pub struct ServeConfig {
     /// Largest accepted request body, in bytes (413 beyond).
     #[arg(long, env = "KVROUTE_BODY_LIMIT_BYTES", default_value_t = 8 * 1024 * 1024)]
     pub body_limit_bytes: usize,
+    /// A connection must deliver each request's head (request line and headers) within this
+    /// many milliseconds: a new connection from its accept, a kept-alive one from the request's
+    /// first byte. Beyond it the connection is closed.
+    #[arg(long, env = "KVROUTE_HEADER_READ_TIMEOUT_MS", default_value_t = 10_000)]
+    pub header_read_timeout_ms: u64,
+    /// A request's body must arrive within this many milliseconds of the service reading it
+    /// (408 and the connection closed beyond).
+    #[arg(long, env = "KVROUTE_BODY_READ_TIMEOUT_MS", default_value_t = 30_000)]
+    pub body_read_timeout_ms: u64,
+    /// A kept-alive connection with no request in progress and no bytes moving for this many
+    /// seconds is closed.
+    #[arg(long, env = "KVROUTE_IDLE_TIMEOUT_SECS", default_value_t = 75.0)]
+    pub idle_timeout_secs: f64,
+    /// Most open HTTP connections; beyond it a new connection is closed at once (the open ones
+    /// are served). Each takes a file descriptor: keep it below the open-file limit.
+    #[arg(long, env = "KVROUTE_MAX_CONNECTIONS", default_value_t = 10_000)]
+    pub max_connections: usize,
 
     /// How long a cached selection can be replayed, in seconds.
     #[arg(
@@ -207,7 +224,47 @@ fn non_negative_secs(name: &str, value: f64) -> Result<Duration, String> {
     }
 }
 
+/// The longest a millisecond timeout may be: a day.
+const MAX_TIMEOUT_MS: u64 = 86_400_000;
+
+fn timeout_millis(name: &str, value: u64) -> Result<Duration, String> {
+    if (1..=MAX_TIMEOUT_MS).contains(&value) {
+        Ok(Duration::from_millis(value))
+    } else {
+        Err(format!(
+            "--{name} must be a number of milliseconds from 1 to {MAX_TIMEOUT_MS} (got {value})"
+        ))
+    }
+}
+
+/// What slow and idle clients may hold, from the `--header-read-timeout-ms`,
+/// `--body-read-timeout-ms`, `--idle-timeout-secs` and `--max-connections` knobs (enforced by
+/// `http::connections` and the body extractors of `http::json`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectionLimits {
+    pub header_read_timeout: Duration,
+    pub body_read_timeout: Duration,
+    pub idle_timeout: Duration,
+    pub max_connections: usize,
+}
+
 impl ServeConfig {
+    /// The connection limits, checked.
+    pub fn connection_limits(&self) -> Result<ConnectionLimits, String> {
+        if self.max_connections == 0 {
+            return Err("--max-connections must be at least 1".to_string());
+        }
+        Ok(ConnectionLimits {
+            header_read_timeout: timeout_millis(
+                "header-read-timeout-ms",
+                self.header_read_timeout_ms,
+            )?,
+            body_read_timeout: timeout_millis("body-read-timeout-ms", self.body_read_timeout_ms)?,
+            idle_timeout: positive_secs("idle-timeout-secs", self.idle_timeout_secs)?,
+            max_connections: self.max_connections,
+        })
+    }
+
     /// Parses a configuration from arguments (tests; the binary uses its own clap command).
     pub fn parse_from<I, T>(args: I) -> Result<Self, clap::Error>
     where
@@ -230,6 +287,10 @@ impl ServeConfig {
             port: 8000,
             api_key: None,
             body_limit_bytes: 8 * 1024 * 1024,
+            header_read_timeout_ms: 10_000,
+            body_read_timeout_ms: 30_000,
+            idle_timeout_secs: 75.0,
+            max_connections: 10_000,
             selection_cache_ttl_secs: 120.0,
             selection_cache_max_entries: 4096,
             selection_cache_max_bytes: 256 * 1024 * 1024,
@@ -369,6 +430,7 @@ impl ServeConfig {
             );
         }
         self.sync.validate()?;
+        self.connection_limits()?;
         let ttl = positive_secs("selection-cache-ttl-secs", self.selection_cache_ttl_secs)?;
         let expiry = positive_secs(
             "active-request-expiry-secs",
@@ -547,6 +609,69 @@ mod tests {
                 .contains("--session-affinity-max-sessions")
         );
         assert!(ServeConfig::parse_from(["kvroute", "--session-affinity-mode", "loose"]).is_err());
+    }
+
+    #[test]
+    fn connection_limits_default_and_are_checked() {
+        let limits = ServeConfig::parse_from(["kvroute"])
+            .unwrap()
+            .connection_limits()
+            .unwrap();
+        assert_eq!(limits, ServeConfig::defaults().connection_limits().unwrap());
+        assert_eq!(
+            limits,
+            ConnectionLimits {
+                header_read_timeout: Duration::from_secs(10),
+                body_read_timeout: Duration::from_secs(30),
+                idle_timeout: Duration::from_secs(75),
+                max_connections: 10_000,
+            }
+        );
+        let short = ServeConfig::parse_from([
+            "kvroute",
+            "--header-read-timeout-ms=300",
+            "--body-read-timeout-ms=500",
+            "--idle-timeout-secs=0.5",
+            "--max-connections=50",
+        ])
+        .unwrap()
+        .connection_limits()
+        .unwrap();
+        assert_eq!(
+            (
+                short.header_read_timeout,
+                short.body_read_timeout,
+                short.idle_timeout,
+                short.max_connections
+            ),
+            (
+                Duration::from_millis(300),
+                Duration::from_millis(500),
+                Duration::from_millis(500),
+                50
+            )
+        );
+        for (arg, message) in [
+            (
+                "--header-read-timeout-ms=0",
+                "--header-read-timeout-ms must be a number of milliseconds from 1 to 86400000 (got 0)",
+            ),
+            (
+                "--body-read-timeout-ms=86400001",
+                "--body-read-timeout-ms must be a number of milliseconds from 1 to 86400000 (got 86400001)",
+            ),
+            (
+                "--idle-timeout-secs=0",
+                "--idle-timeout-secs must be a number of seconds > 0 (got 0)",
+            ),
+            (
+                "--max-connections=0",
+                "--max-connections must be at least 1",
+            ),
+        ] {
+            let config = ServeConfig::parse_from(["kvroute", arg]).unwrap();
+            assert_eq!(config.validate().unwrap_err(), message, "{arg}");
+        }
     }
 
     #[test]

@@ -38,10 +38,19 @@ impl From<Error> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (
+        let timed_out = self.status == StatusCode::REQUEST_TIMEOUT;
+        let mut response = (
             self.status,
             Json(serde_json::json!({ "error": self.message })),
         )
-            .into_response()
+            .into_response();
+        // A 408 ends the connection (RFC 9110 §15.5.9): the rest of the request may still come.
+        if timed_out {
+            response.headers_mut().insert(
+                axum::http::header::CONNECTION,
+                axum::http::HeaderValue::from_static("close"),
+            );
+        }
+        response
     }
 }

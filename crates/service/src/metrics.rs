@@ -86,10 +86,32 @@ fn latency_histogram() -> Histogram {
     Histogram::new(exponential_buckets(20e-6, 2.0, 20))
 }
 
+/// Why the service closed a connection on its own (`kvroute_http_connection_timeouts_total`).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TimeoutLabel {
+    phase: &'static str,
+}
+
+/// The HTTP connections' counters, shared with the listener and each connection (clones of
+/// one set of atomics).
+#[derive(Debug, Clone, Default)]
+pub struct ConnectionMetrics {
+    /// Connections open now.
+    pub open: Gauge,
+    /// Connections closed at accept because `--max-connections` were open.
+    pub refused: Counter,
+    /// Connections closed because a request's head did not arrive in time.
+    pub header_timeouts: Counter,
+    /// Kept-alive connections closed after `--idle-timeout-secs` without activity.
+    pub idle_timeouts: Counter,
+}
+
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
     http_requests: Family<HttpLabels, Counter>,
+    /// The HTTP connections: open, refused, timed out.
+    pub connections: ConnectionMetrics,
     http_duration: Family<RouteLabel, Histogram, fn() -> Histogram>,
     select_phase: Family<PhaseLabel, Histogram, fn() -> Histogram>,
     selection_overlap: Family<OverlapLabels, Counter>,
@@ -151,6 +173,35 @@ impl Metrics {
             "http_request_duration_seconds",
             "HTTP request latency by route",
             http_duration.clone(),
+        );
+        // The family's two counters are shared with the connections, which count without a
+        // label lookup.
+        let connection_timeouts = Family::<TimeoutLabel, Counter>::default();
+        let timeouts = |phase| {
+            connection_timeouts
+                .get_or_create(&TimeoutLabel { phase })
+                .clone()
+        };
+        let connections = ConnectionMetrics {
+            open: Gauge::default(),
+            refused: Counter::default(),
+            header_timeouts: timeouts("header"),
+            idle_timeouts: timeouts("idle"),
+        };
+        registry.register(
+            "http_connections_open",
+            "Open HTTP connections",
+            connections.open.clone(),
+        );
+        registry.register(
+            "http_connections_refused",
+            "HTTP connections closed at accept because --max-connections were open",
+            connections.refused.clone(),
+        );
+        registry.register(
+            "http_connection_timeouts",
+            "HTTP connections closed by the service: a request head not received within --header-read-timeout-ms (phase=header), or no activity for --idle-timeout-secs (phase=idle)",
+            connection_timeouts.clone(),
         );
         let select_phase = Family::<PhaseLabel, Histogram, fn() -> Histogram>::new_with_constructor(
             latency_histogram,
@@ -308,6 +359,7 @@ impl Metrics {
             registry,
             sync,
             http_requests,
+            connections,
             http_duration,
             select_phase,
             selection_overlap,

@@ -2,7 +2,11 @@
 //! - rejects trailing data, a byte-order mark and duplicate keys (400, like any malformed body);
 //! - names the offending field in type errors (422: `Failed to deserialize the JSON body into the
 //!   target type: {path}: {serde message}`);
-//! - keeps the texts Dynamo's clients see for the other cases (415 content type, 413 size).
+//! - keeps the texts Dynamo's clients see for the other cases (415 content type, 413 size);
+//! - waits at most `--body-read-timeout-ms` ([`BodyReadTimeout`]) for the body: a late one is a
+//!   408, and the connection is closed (the rest of the body may still be on its way). Only a
+//!   body not in yet when first asked for starts a timer; one that came with the head (the usual
+//!   case) costs none.
 //!
 //! [`OptionalJson`] treats an empty body (with or without a content type) as absent.
 //!
@@ -13,11 +17,31 @@
 //! makes the whole body take the ordinary path, so every error message stays the same.
 
 use super::error::ApiError;
-use axum::extract::{FromRequest, Request};
+use axum::extract::{FromRef, FromRequest, Request};
 use axum::http::StatusCode;
 use axum::http::header::CONTENT_TYPE;
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
+use std::future::{Future, poll_fn};
+use std::pin::pin;
+use std::task::Poll;
+use std::time::Duration;
+
+/// How long the body extractors wait for a request's body (`--body-read-timeout-ms`), taken
+/// from the router's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BodyReadTimeout(pub Duration);
+
+/// The 408 of a body not in within `limit`.
+pub fn body_timeout_error(limit: Duration) -> ApiError {
+    ApiError::new(
+        StatusCode::REQUEST_TIMEOUT,
+        format!(
+            "Timed out reading the request body: not received within {} ms",
+            limit.as_millis()
+        ),
+    )
+}
 
 pub const CONTENT_TYPE_MESSAGE: &str = "Expected request with `Content-Type: application/json`";
 
@@ -38,8 +62,22 @@ fn is_json_content_type(req: &Request) -> bool {
         || (essence.starts_with("application/") && essence.ends_with("+json"))
 }
 
-async fn body_bytes<S: Send + Sync>(req: Request, state: &S) -> Result<Bytes, ApiError> {
-    Bytes::from_request(req, state).await.map_err(|rejection| {
+async fn body_bytes<S: Send + Sync>(req: Request, state: &S) -> Result<Bytes, ApiError>
+where
+    BodyReadTimeout: FromRef<S>,
+{
+    let mut read = pin!(Bytes::from_request(req, state));
+    // Polled once without a timer: a body that came with the head is complete at once.
+    let read = match poll_fn(|cx| Poll::Ready(read.as_mut().poll(cx))).await {
+        Poll::Ready(read) => read,
+        Poll::Pending => {
+            let BodyReadTimeout(limit) = BodyReadTimeout::from_ref(state);
+            tokio::time::timeout(limit, read)
+                .await
+                .map_err(|_| body_timeout_error(limit))?
+        }
+    };
+    read.map_err(|rejection| {
         let status = rejection.status();
         if status == StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::new(
@@ -553,7 +591,10 @@ fn classify(e: serde_json::Error, path: String) -> ApiError {
 #[derive(Debug, Clone)]
 pub struct StrictJson<T>(pub T);
 
-impl<S: Send + Sync, T: JsonBody> FromRequest<S> for StrictJson<T> {
+impl<S: Send + Sync, T: JsonBody> FromRequest<S> for StrictJson<T>
+where
+    BodyReadTimeout: FromRef<S>,
+{
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
@@ -572,7 +613,10 @@ impl<S: Send + Sync, T: JsonBody> FromRequest<S> for StrictJson<T> {
 #[derive(Debug, Clone)]
 pub struct OptionalJson<T>(pub Option<T>);
 
-impl<S: Send + Sync, T: JsonBody> FromRequest<S> for OptionalJson<T> {
+impl<S: Send + Sync, T: JsonBody> FromRequest<S> for OptionalJson<T>
+where
+    BodyReadTimeout: FromRef<S>,
+{
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {

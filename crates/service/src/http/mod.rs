@@ -1,6 +1,7 @@
 //! The HTTP selection service (SPEC §7): routes, middleware (metrics, API key, shutdown) and
 //! [`app`], which builds the whole service so tests can drive it without a socket.
 
+pub mod connections;
 pub mod handlers;
 pub mod json;
 pub mod openapi;
@@ -12,14 +13,14 @@ pub use crate::{error, types};
 use crate::error::ApiError;
 use crate::state::AppState;
 use axum::Router;
-use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::extract::{DefaultBodyLimit, FromRef, MatchedPath, Request, State};
 use axum::http::{Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodFilter, MethodRouter, on};
 use handlers::*;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Routes that answer without an API key and during shutdown.
 fn is_open_route(path: &str) -> bool {
@@ -254,29 +255,36 @@ pub fn app(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
+impl FromRef<Arc<AppState>> for json::BodyReadTimeout {
+    fn from_ref(state: &Arc<AppState>) -> Self {
+        Self(Duration::from_millis(state.config.body_read_timeout_ms))
+    }
+}
+
 /// Serves until `shutdown` resolves; then refuses new work, lets in-flight requests finish and
-/// returns.
+/// returns. The connection limits (`--max-connections`, the header-read and idle timeouts) are
+/// [`connections`]'; the body-read timeout is the body extractors' ([`json`]).
 pub async fn serve(
     state: Arc<AppState>,
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    let limits = state
+        .config
+        .connection_limits()
+        .map_err(|message| std::io::Error::new(std::io::ErrorKind::InvalidInput, message))?;
+    connections::warn_if_above_file_limit(limits.max_connections);
     tokio::spawn(Arc::clone(&state).run_housekeeping());
     let drain_state = Arc::clone(&state);
-    use axum::serve::ListenerExt;
-    // Responses leave at once (no Nagle delay behind an unacknowledged segment).
-    let listener = listener.tap_io(|stream| {
-        if let Err(error) = stream.set_nodelay(true) {
-            tracing::debug!(%error, "cannot set TCP_NODELAY");
-        }
-    });
-    axum::serve(listener, app(state))
-        .with_graceful_shutdown(async move {
-            shutdown.await;
-            tracing::info!("shutting down: refusing new work, finishing in-flight requests");
-            drain_state.begin_shutdown();
-        })
-        .await
+    let listener =
+        connections::GuardedListener::new(listener, limits, state.metrics.connections.clone());
+    connections::serve(listener, app(state), async move {
+        shutdown.await;
+        tracing::info!("shutting down: refusing new work, finishing in-flight requests");
+        drain_state.begin_shutdown();
+    })
+    .await;
+    Ok(())
 }
 
 #[cfg(test)]

@@ -25,7 +25,7 @@ fn reply(description: &str, schema: Value) -> Value {
 }
 
 fn errors() -> Value {
-    json!({"description": "Error: `{\"error\": \"<message>\"}` (400, 404, 409, 413, 415, 422, 429, 503)",
+    json!({"description": "Error: `{\"error\": \"<message>\"}` (400, 404, 408, 409, 413, 415, 422, 429, 503)",
            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}})
 }
 

@@ -1,5 +1,6 @@
 //! Integration tests of kvroute-service, in one test binary (one link instead of one per file):
 //!
+//! - [`connections`]: slow and idle clients: the connection limits and timeouts.
 //! - [`dashboard`]: the status page in headless Chromium against a live service.
 //! - [`dynamo_compat`]: the exchanges recorded from Dynamo's selection service, replayed.
 //! - [`http`]: the HTTP service end to end, every error row, limits, shutdown, a real socket.
@@ -14,6 +15,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
+mod connections;
 mod dashboard;
 mod dynamo_compat;
 mod http;
