@@ -465,30 +465,8 @@ fn other_replicas_bookings_hold_their_sessions() {
     s.record_session_changes();
     let t0 = Instant::now();
     let p = partition();
-    let key = SessionKey::new(&p, "s");
     // Another replica bound the session to 3 and its booking holds it.
-    let bound = SyncedBinding {
-        rank: Rank::new(3, 0),
-        idle_until: None,
-    };
-    s.apply_synced_binding(&key, Some(bound), t0);
-    let hashes = PromptHashes::from_tokens(&prompt, BS as usize, crate::hash::BASE_SEED);
-    let state = SyncedBooking {
-        worker_id: 3,
-        dp_rank: 0,
-        block_size: BS,
-        sequence_hashes: Arc::from(hashes.sequence),
-        isl_tokens: 17,
-        effective_prefill_tokens: 17,
-        expected_output_tokens: None,
-        track_prefill_tokens: true,
-        prefill_complete: false,
-        output_blocks: 0,
-        decode_blocks: 5,
-        session_id: Some("s".into()),
-    };
-    s.apply_synced_booking(BookingOwner::Remote("r2"), "x", &state, t0)
-        .unwrap();
+    bind_remotely(&mut s, &p, &prompt, t0);
     let later = t0 + Duration::from_secs(60);
     assert_eq!(chosen(&s, &prompt, Some("s"), later), 3, "held remotely");
     assert!(s.take_session_changes().is_empty(), "nothing of its own");
@@ -531,29 +509,7 @@ fn an_expired_remote_booking_idles_its_session_without_publishing_it() {
     let (mut s, prompt) = sessions_selector(config(SessionMode::Hard));
     s.record_session_changes();
     let t0 = Instant::now();
-    let key = SessionKey::new(&partition(), "s");
-    let held = SyncedBinding {
-        rank: Rank::new(3, 0),
-        idle_until: None,
-    };
-    s.apply_synced_binding(&key, Some(held), t0);
-    let hashes = PromptHashes::from_tokens(&prompt, BS as usize, crate::hash::BASE_SEED);
-    let state = SyncedBooking {
-        worker_id: 3,
-        dp_rank: 0,
-        block_size: BS,
-        sequence_hashes: Arc::from(hashes.sequence),
-        isl_tokens: 17,
-        effective_prefill_tokens: 17,
-        expected_output_tokens: None,
-        track_prefill_tokens: true,
-        prefill_complete: false,
-        output_blocks: 0,
-        decode_blocks: 5,
-        session_id: Some("s".into()),
-    };
-    s.apply_synced_booking(BookingOwner::Remote("r2"), "x", &state, t0)
-        .unwrap();
+    let key = bind_remotely(&mut s, &partition(), &prompt, t0);
     // The replica that made it died: its booking expires here, and the session idles.
     let expiry = t0 + s.config().active_request_expiry;
     s.tick(expiry);
@@ -567,4 +523,33 @@ fn an_expired_remote_booking_idles_its_session_without_publishing_it() {
         "another replica's binding"
     );
     assert!(s.local_session_bindings(expiry).is_empty());
+}
+
+/// Replica `r2`'s binding of session `s` to worker 3 and its booking `x` of `prompt` there, as
+/// replica sync applies them; returns the session's key.
+fn bind_remotely(s: &mut Selector, p: &PartitionKey, prompt: &[u32], t0: Instant) -> SessionKey {
+    let key = SessionKey::new(p, "s");
+    let bound = SyncedBinding {
+        rank: Rank::new(3, 0),
+        idle_until: None,
+    };
+    s.apply_synced_binding(&key, Some(bound), t0);
+    let hashes = PromptHashes::from_tokens(prompt, BS as usize, crate::hash::BASE_SEED);
+    let state = SyncedBooking {
+        worker_id: 3,
+        dp_rank: 0,
+        block_size: BS,
+        sequence_hashes: Arc::from(hashes.sequence),
+        isl_tokens: prompt.len() as u64,
+        effective_prefill_tokens: prompt.len() as u64,
+        expected_output_tokens: None,
+        track_prefill_tokens: true,
+        prefill_complete: false,
+        output_blocks: 0,
+        decode_blocks: 5,
+        session_id: Some("s".into()),
+    };
+    s.apply_synced_booking(BookingOwner::Remote("r2"), "x", &state, t0)
+        .unwrap();
+    key
 }
