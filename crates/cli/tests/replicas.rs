@@ -15,26 +15,37 @@ use std::time::{Duration, Instant};
 
 const WAIT: Duration = Duration::from_secs(20);
 
-/// A `kvroute serve` process, killed when dropped.
-struct Serve(Child);
+/// A `kvroute serve` process, killed when dropped; its log (stderr) is printed when the test
+/// fails, so a failure says what the server did.
+struct Serve(Child, std::path::PathBuf);
 
 impl Drop for Serve {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
+        if std::thread::panicking() {
+            let log = std::fs::read_to_string(&self.1).unwrap_or_default();
+            eprintln!("--- {}:\n{log}", self.1.display());
+        }
+        let _ = std::fs::remove_file(&self.1);
     }
 }
 
 fn serve(port: u16, nats: &Nats, replica_id: &str) -> Serve {
+    let log = std::env::temp_dir().join(format!(
+        "kvroute-replicas-test-{}-{replica_id}.log",
+        std::process::id()
+    ));
     let child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
         .args(["serve", "--port", &port.to_string(), "--nats-url"])
         .arg(nats.url())
         .args(["--replica-id", replica_id])
+        .env("RUST_LOG", "kvroute=debug,info")
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("log file"))
         .spawn()
         .expect("kvroute serve starts");
-    Serve(child)
+    Serve(child, log)
 }
 
 async fn call(port: u16, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
