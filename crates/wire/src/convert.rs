@@ -319,6 +319,15 @@ mod tests {
         assert_eq!(blocks[1].local_hash, 3069815956657004924);
     }
 
+    /// Dynamo's local hashes of `tokens` in blocks of 4 with these multimodal infos.
+    fn mm_local_hashes(tokens: &[u32], infos: &[Option<BlockMmInfo>]) -> Vec<u64> {
+        let extras = BlockExtras {
+            is_eagle: false,
+            block_mm_infos: infos,
+        };
+        local_hashes_with(tokens, 4, BASE_SEED, extras)
+    }
+
     fn local_of(event: &RawStored) -> Vec<u64> {
         match convert_stored(event) {
             Ok(KvEvent::Stored { blocks, .. }) => blocks.iter().map(|b| b.local_hash).collect(),
@@ -385,15 +394,7 @@ mod tests {
             ]),
         ]);
         let infos = [mm(&[7]), None, mm(&[5, 9])];
-        let expected = local_hashes_with(
-            &tokens,
-            4,
-            BASE_SEED,
-            BlockExtras {
-                is_eagle: false,
-                block_mm_infos: &infos,
-            },
-        );
+        let expected = mm_local_hashes(&tokens, &infos);
         assert_eq!(local_of(&event), expected);
         let plain = local_hashes(&tokens, 4, BASE_SEED);
         assert_ne!(expected[0], plain[0]);
@@ -414,15 +415,7 @@ mod tests {
         ]);
         event.block_mm_infos = Some(vec![None, None, mm(&[5, 9])]);
         let infos = [None, None, mm(&[5, 9])];
-        let expected = local_hashes_with(
-            &tokens,
-            4,
-            BASE_SEED,
-            BlockExtras {
-                is_eagle: false,
-                block_mm_infos: &infos,
-            },
-        );
+        let expected = mm_local_hashes(&tokens, &infos);
         assert_eq!(local_of(&event), expected);
         assert_eq!(expected[0], plain[0]);
     }

@@ -178,21 +178,20 @@ impl Selector {
         let Some((own, _)) = &self.replica else {
             return;
         };
-        let mut ids: Vec<String> = self
-            .remote_bookings()
-            .into_iter()
-            .map(|(replica, _)| replica)
-            .filter(|r| r != own)
-            .collect();
-        ids.push(own.clone());
-        ids.sort_unstable();
-        ids.dedup();
-        let spread = ids.iter().position(|r| r == own).and_then(|index| {
+        // The distinct replica ids of the live remote bookings, without copying each booking's.
+        let spread = {
+            let load = locked(&self.load);
+            let mut ids: std::collections::BTreeSet<&str> = load
+                .iter()
+                .filter_map(|(id, _)| split_remote_key(id).map(|(replica, _)| replica))
+                .collect();
+            ids.insert(own.as_str());
+            let index = ids.range(..own.as_str()).count();
             (ids.len() > 1).then(|| ReplicaSpread {
                 index: u32::try_from(index).unwrap_or(u32::MAX),
                 replicas: u32::try_from(ids.len()).unwrap_or(u32::MAX),
             })
-        });
+        };
         if let Some((_, current)) = &mut self.replica {
             *current = spread;
         }

@@ -128,13 +128,7 @@ fn a_hard_binding_holds_while_its_worker_grows_busy() {
     assert_eq!(book(&mut s, &prompt, "b", "b-1", Some(&[2]), now), Ok(2));
     // Load worker 2 past both busy thresholds with a big explicit booking.
     let p = partition();
-    let big: Vec<u32> = (1000..5000).collect();
-    let mut explicit = ReservationRequest::replay(&p, "big");
-    explicit.selection_id = None;
-    explicit.reservation_id = Some("big");
-    explicit.worker_id = Some(2);
-    explicit.prompt = Some(tokens_prompt(&big));
-    s.create_reservation(&explicit, now).unwrap();
+    load_worker_2(&mut s, &p, now);
     let req = SelectRequest {
         allowed_worker_ids: Some(&[2, 3]),
         ..select_req(&p, &prompt, None)
@@ -323,13 +317,7 @@ fn an_affinity_target_wins_over_load_and_an_unknown_one_is_ignored() {
     let (mut s, prompt) = sessions_selector(config);
     let now = Instant::now();
     let p = partition();
-    let big: Vec<u32> = (1000..5000).collect();
-    let mut explicit = ReservationRequest::replay(&p, "big");
-    explicit.selection_id = None;
-    explicit.reservation_id = Some("big");
-    explicit.worker_id = Some(2);
-    explicit.prompt = Some(tokens_prompt(&big));
-    s.create_reservation(&explicit, now).unwrap();
+    load_worker_2(&mut s, &p, now);
     let target = |worker_id, dp_rank| SelectRequest {
         affinity_target: Some(PinnedWorker { worker_id, dp_rank }),
         ..select_req(&p, &prompt, None)
@@ -353,13 +341,7 @@ fn soft_mode_leaves_a_busy_or_much_costlier_rank_and_rebinds() {
     assert_eq!(book(&mut s, &prompt, "b", "b-1", Some(&[2]), now), Ok(2));
     assert_eq!(chosen(&s, &prompt, Some("b"), now), 2);
     // Worker 2 busy: soft mode leaves it, and the booking rebinds where it went.
-    let big: Vec<u32> = (1000..5000).collect();
-    let mut explicit = ReservationRequest::replay(&p, "big");
-    explicit.selection_id = None;
-    explicit.reservation_id = Some("big");
-    explicit.worker_id = Some(2);
-    explicit.prompt = Some(tokens_prompt(&big));
-    s.create_reservation(&explicit, now).unwrap();
+    load_worker_2(&mut s, &p, now);
     assert_eq!(chosen(&s, &prompt, Some("b"), now), 1);
     assert_eq!(book(&mut s, &prompt, "b", "b-2", None, now), Ok(1));
     s.free("big", now).unwrap();
@@ -552,4 +534,16 @@ fn bind_remotely(s: &mut Selector, p: &PartitionKey, prompt: &[u32], t0: Instant
     s.apply_synced_booking(BookingOwner::Remote("r2"), "x", &state, t0)
         .unwrap();
     key
+}
+
+/// Books a 4,000-token prompt explicitly on worker 2 (`big`): past the busy thresholds the tests
+/// set.
+fn load_worker_2(s: &mut Selector, p: &PartitionKey, now: Instant) {
+    let big: Vec<u32> = (1000..5000).collect();
+    let mut explicit = ReservationRequest::replay(p, "big");
+    explicit.selection_id = None;
+    explicit.reservation_id = Some("big");
+    explicit.worker_id = Some(2);
+    explicit.prompt = Some(tokens_prompt(&big));
+    s.create_reservation(&explicit, now).unwrap();
 }
