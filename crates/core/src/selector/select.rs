@@ -159,12 +159,7 @@ impl Selector {
                             c.disk_blocks,
                         ) as f64
                         / f64::from(block_size.max(1));
-                    let limit = costs[picked] + own;
-                    let home = (0..free.len())
-                        .filter(|&j| free[j] % s.replicas as usize == s.index as usize)
-                        .filter(|&j| costs[j] <= limit)
-                        .min_by(|&a, &b| costs[a].total_cmp(&costs[b]));
-                    free[home.unwrap_or(picked)]
+                    s.pick(&free, &costs, picked, own)
                 }
                 None => free[picked],
             }

@@ -160,6 +160,21 @@ pub struct ReplicaSpread {
     pub replicas: u32,
 }
 
+impl ReplicaSpread {
+    /// The candidate to take (an index into the candidates): among `free` (candidate indices)
+    /// with `costs`, where `picked` is the cheapest's position, the cheapest of this replica's
+    /// share that costs at most `own` more than it, else the cheapest.
+    pub(super) fn pick(&self, free: &[usize], costs: &[f64], picked: usize, own: f64) -> usize {
+        let limit = costs[picked] + own;
+        let share = |j: &usize| free[*j] % self.replicas as usize == self.index as usize;
+        (0..free.len())
+            .filter(share)
+            .filter(|&j| costs[j] <= limit)
+            .min_by(|&a, &b| costs[a].total_cmp(&costs[b]))
+            .map_or(free[picked], |j| free[j])
+    }
+}
+
 impl Selector {
     /// Names this selector as replica `id` among replicas sharing bookings (`None`: alone). Its
     /// place among them ([`ReplicaSpread`]) is refreshed now and by every [`Selector::tick`].
