@@ -27,7 +27,12 @@ async fn shutdown_signal() {
     }
 }
 
-pub fn run(config: ServeConfig) -> ExitCode {
+pub fn run(mut config: ServeConfig) -> ExitCode {
+    // Dynamo's queue variables, for drop-in users (the flags and KVROUTE_* win).
+    if let Err(message) = config.apply_dynamo_env(|name| std::env::var(name).ok()) {
+        eprintln!("kvroute serve: {message}");
+        return ExitCode::from(2);
+    }
     let state = match AppState::new(config) {
         Ok(state) => state,
         Err(message) => {

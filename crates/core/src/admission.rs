@@ -270,17 +270,19 @@ impl<T> AdmissionQueue<T> {
         }
     }
 
-    /// Queues a request of `tenant`. Full → [`QueueError::Full`] and nothing changes.
+    /// Queues a request of `tenant`. Full → [`QueueError::Full`] with the payload back, and
+    /// nothing changes.
     pub fn push(
         &mut self,
         tenant: &str,
         order: QueueOrder,
         payload: T,
-    ) -> Result<Ticket, QueueError> {
+    ) -> Result<Ticket, (QueueError, T)> {
         if self.waiting.len() >= self.config.max_requests {
-            return Err(QueueError::Full {
+            let full = QueueError::Full {
                 max: self.config.max_requests,
-            });
+            };
+            return Err((full, payload));
         }
         let ticket = Ticket(self.next_ticket);
         self.next_ticket += 1;
@@ -356,6 +358,58 @@ impl<T> AdmissionQueue<T> {
             self.rounds.rotate_left(1);
             self.turn_granted = false;
         }
+    }
+
+    /// The request [`AdmissionQueue::pop`] would take out at `now`, without taking it: the
+    /// service looks at it first, to leave it waiting while its own ranks are all full.
+    ///
+    /// The deficit round robin visits tenants turn by turn; a tenant can send its request at the
+    /// first turn where its credit plus the turns' grants covers the request's prompt, so the
+    /// request taken is the one whose tenant gets there first (fewest rounds, then its place in
+    /// the round).
+    pub fn peek(&self, now: Instant) -> Option<Ticket> {
+        let promote_after = self.config.max_wait_before_promotion;
+        let mut best: Option<((u64, usize), Ticket)> = None;
+        for (place, name) in self.rounds.iter().enumerate() {
+            let tenant = self.tenants.get(name)?;
+            let &(oldest, aged) = tenant.by_arrival.first()?;
+            let ticket = if now.saturating_duration_since(oldest) >= promote_after {
+                aged
+            } else {
+                tenant.entries.first()?.1
+            };
+            let cost = self.waiting.get(&ticket)?.order.isl_tokens.max(1);
+            let grant = self.weight(name) * self.config.quantum_tokens.max(1);
+            // Credit at its first visit (the front tenant may have had this turn's grant).
+            let first = if place == 0 && self.turn_granted {
+                tenant.deficit
+            } else {
+                tenant.deficit.saturating_add(grant)
+            };
+            let rounds = cost.saturating_sub(first).div_ceil(grant);
+            let at = (rounds, place);
+            if best.is_none_or(|(b, _)| at < b) {
+                best = Some((at, ticket));
+            }
+        }
+        best.map(|(_, t)| t)
+    }
+
+    /// What every waiting request carries, in no particular order.
+    pub fn iter(&self) -> impl Iterator<Item = &T> {
+        self.waiting.values().map(|w| &w.payload)
+    }
+
+    /// What a waiting request carries.
+    pub fn get(&self, ticket: Ticket) -> Option<&T> {
+        self.waiting.get(&ticket).map(|w| &w.payload)
+    }
+
+    /// A waiting request's order and tenant.
+    pub fn order_of(&self, ticket: Ticket) -> Option<(&str, &QueueOrder)> {
+        self.waiting
+            .get(&ticket)
+            .map(|w| (w.tenant.as_str(), &w.order))
     }
 
     /// Takes a request out by its ticket (its client left). `None` when it is not waiting.
@@ -485,6 +539,40 @@ mod tests {
             q.pop(t0 + Duration::from_secs(10)).map(|d| d.payload),
             Some("short-2")
         );
+    }
+
+    #[test]
+    fn peek_names_what_pop_takes_out() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(7);
+        let t0 = Instant::now();
+        for policy in QueuePolicy::ALL {
+            let mut q: AdmissionQueue<u32> = AdmissionQueue::new(QueueConfig {
+                policy,
+                quantum_tokens: 1_000,
+                tenant_weights: [("b".to_string(), 3)].into_iter().collect(),
+                ..QueueConfig::default()
+            });
+            let mut now = t0;
+            let mut popped = 0;
+            for i in 0..2_000u32 {
+                now += Duration::from_millis(rng.random_range(0..40));
+                if rng.random_bool(0.55) {
+                    let tenant = ["a", "b", "c"][rng.random_range(0..3)];
+                    let isl = rng.random_range(1..5_000);
+                    let mut o = order(t0, 0, isl);
+                    o.arrived = now;
+                    o.strict_priority = rng.random_range(0..2);
+                    q.push(tenant, o, i).unwrap();
+                } else {
+                    let peeked = q.peek(now);
+                    let taken = q.pop(now).map(|d| d.ticket);
+                    assert_eq!(peeked, taken, "{policy} step {i}");
+                    popped += usize::from(taken.is_some());
+                }
+            }
+            assert!(popped > 500, "{popped}");
+        }
     }
 
     /// Dynamo 1.6.1's release orders, recorded from its select service
@@ -649,7 +737,7 @@ mod tests {
         q.push("u", order(t0, 2, 30), "c").unwrap();
         assert_eq!(
             q.push("t", order(t0, 3, 40), "d"),
-            Err(QueueError::Full { max: 3 })
+            Err((QueueError::Full { max: 3 }, "d"))
         );
         assert_eq!(q.next_deadline(), Some(t0 + Duration::from_millis(11)));
         let expired: Vec<_> = q

@@ -15,9 +15,11 @@ use crate::convert::{self, to_py};
 use crate::errors::{api_error, service_error};
 use crate::events;
 use kvroute_service::api;
+use kvroute_service::api::Admission;
 use kvroute_service::config::{ApproximatePolicy, SessionAffinityMode};
 use kvroute_service::http::error::ApiError;
 use kvroute_service::http::types::{PromptRouteBody, ReservationBody, SelectBody, WorkerBody};
+use kvroute_service::queue::QueuedRoute;
 use kvroute_service::{AppState, ServeConfig};
 use parking_lot::Mutex;
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -121,6 +123,49 @@ impl Core {
     }
 }
 
+impl Core {
+    /// A select through the admission queue: decided at once like [`Core::call`]; a request
+    /// that waits resolves on the runtime when it is decided, and cancelling the awaitable takes
+    /// it out of the queue (its future, holding the waiter, is dropped).
+    fn admit<'py>(
+        &self,
+        py: Python<'py>,
+        access: Access,
+        route: QueuedRoute,
+        body: SelectBody,
+        tenant: Option<String>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        if self.state.queues.settings().is_none() {
+            let state = Arc::clone(&self.state);
+            return self.call(py, access, move |_| {
+                api::admit(&state, route, body, tenant.as_deref())
+                    .decided()
+                    .map_or(Reply::Done, Reply::from)
+            });
+        }
+        // Fails (RuntimeError) outside a running event loop, before anything runs.
+        let event_loop = pyo3_async_runtimes::get_running_loop(py)?;
+        let admission =
+            py.detach(|| self.run(|_| api::admit(&self.state, route, body, tenant.as_deref())));
+        match admission {
+            Admission::Waiting(waiter) => {
+                pyo3_async_runtimes::tokio::future_into_py(py, async move {
+                    Ok(Reply::from(waiter.wait().await))
+                })
+            }
+            Admission::Decided(result) => {
+                let future = event_loop.call_method0(pyo3::intern!(py, "create_future"))?;
+                match Reply::from(result).into_pyobject(py) {
+                    Ok(value) => future.call_method1(pyo3::intern!(py, "set_result"), (value,))?,
+                    Err(e) => future
+                        .call_method1(pyo3::intern!(py, "set_exception"), (e.into_value(py),))?,
+                };
+                Ok(future)
+            }
+        }
+    }
+}
+
 /// The knobs of `kvroute serve` that apply in process (the HTTP-only ones — bind, port, API key,
 /// body limit — do not).
 const KNOBS: &[&str] = &[
@@ -147,6 +192,13 @@ const KNOBS: &[&str] = &[
     "session_affinity_mode",
     "session_affinity_soft_factor",
     "session_affinity_max_sessions",
+    "queue_threshold",
+    "queue_policy",
+    "queue_max_requests",
+    "queue_timeout_ms",
+    "queue_promotion_ms",
+    "queue_quantum_tokens",
+    "tenant_weights",
 ];
 
 /// Dynamo's constructor keywords, accepted so that its callers work unchanged.
@@ -287,6 +339,37 @@ fn apply_knob(config: &mut ServeConfig, name: &str, value: &Bound<'_, PyAny>) ->
         }
         "session_affinity_max_sessions" => {
             config.session_affinity_max_sessions = int_knob(name, value)?
+        }
+        "queue_threshold" => {
+            config.queue_threshold = optional(value).map(|v| float_knob(name, v)).transpose()?
+        }
+        "queue_policy" => {
+            let policy: String = value
+                .extract()
+                .map_err(|_| knob_type_error(name, "a str ('fcfs', 'lcfs' or 'wspt')", value))?;
+            config.queue_policy = Some(policy.parse().map_err(|_| {
+                PyValueError::new_err(format!(
+                    "queue_policy must be 'fcfs', 'lcfs' or 'wspt' (got {policy:?})"
+                ))
+            })?);
+        }
+        "queue_max_requests" => config.queue_max_requests = int_knob(name, value)?,
+        "queue_timeout_ms" => {
+            config.queue_timeout_ms = optional(value).map(|v| int_knob(name, v)).transpose()?
+        }
+        "queue_promotion_ms" => config.queue_promotion_ms = int_knob(name, value)?,
+        "queue_quantum_tokens" => config.queue_quantum_tokens = int_knob(name, value)?,
+        "tenant_weights" => {
+            let weights: std::collections::BTreeMap<String, u32> =
+                value.extract().map_err(|_| {
+                    knob_type_error(name, "a dict of tenant names to weights ≥ 1", value)
+                })?;
+            if let Some((t, _)) = weights.iter().find(|(_, w)| **w == 0) {
+                return Err(PyValueError::new_err(format!(
+                    "tenant_weights: the weight of {t:?} must be at least 1"
+                )));
+            }
+            config.tenant_weights = weights.into_iter().collect();
         }
         "no_kv_events" => config.no_kv_events = bool_knob(name, value)?,
         "approximate_cache_policy" => {
@@ -475,6 +558,7 @@ impl SelectionService {
                 AppState::new(config).map_err(PyValueError::new_err)?
             };
             runtime.spawn(Arc::clone(&state).run_housekeeping());
+            runtime.spawn(api::run_admission(Arc::clone(&state)));
             Ok(Self {
                 core: Core {
                     state,
@@ -552,29 +636,36 @@ impl SelectionService {
     /// Choose a worker and rank for a prompt (dict like ``POST /select``); books nothing. With
     /// ``selection_id`` the booking inputs are cached so ``create_reservation({"selection_id":
     /// ...})`` can book them without the prompt.
+    #[pyo3(signature = (request, *, tenant=None))]
     fn select<'py>(
         &self,
         py: Python<'py>,
         request: &Bound<'py, PyAny>,
+        tenant: Option<String>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let body: SelectBody = convert::prompt_body(request, "request")?;
-        self.core.call(py, Access::Read, move |state| {
-            api::select(state, body).into()
-        })
+        self.core
+            .admit(py, Access::Read, QueuedRoute::Select, body, tenant)
     }
 
     /// Select and book atomically (``POST /select_and_reserve``); never touches the selection
     /// cache. The reply adds ``reservation_id``, ``sequence_hashes``, ``isl_tokens`` and
     /// ``track_prefill_tokens``.
+    #[pyo3(signature = (request, *, tenant=None))]
     fn select_and_reserve<'py>(
         &self,
         py: Python<'py>,
         request: &Bound<'py, PyAny>,
+        tenant: Option<String>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let body: SelectBody = convert::prompt_body(request, "request")?;
-        self.core.call(py, Access::Write, move |state| {
-            api::select_and_reserve(state, body).into()
-        })
+        self.core.admit(
+            py,
+            Access::Write,
+            QueuedRoute::SelectAndReserve,
+            body,
+            tenant,
+        )
     }
 
     /// Book load (``POST /reservations``): replay a cached selection with ``selection_id`` (any

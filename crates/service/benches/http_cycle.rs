@@ -13,6 +13,7 @@ use kvroute_service::api;
 use kvroute_service::config::ServeConfig;
 use kvroute_service::http::app;
 use kvroute_service::http::types::{ReservationBody, SelectBody};
+use kvroute_service::queue::QueuedRoute;
 use kvroute_service::state::AppState;
 use std::hint::black_box;
 use std::sync::Arc;
@@ -135,7 +136,8 @@ fn bench(c: &mut Criterion) {
                 token_ids: Some(tokens),
                 ..select
             };
-            black_box(api::select(&state, select).unwrap());
+            let admission = api::admit(&state, QueuedRoute::Select, select, None);
+            black_box(admission.decided().unwrap().unwrap());
             let reserve: ReservationBody =
                 serde_json::from_value(serde_json::json!({ "selection_id": id })).unwrap();
             black_box(api::create_reservation(&state, reserve).unwrap());

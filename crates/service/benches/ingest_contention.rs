@@ -78,7 +78,7 @@ fn bench(c: &mut Criterion) {
     group.bench_function("quiet", |b| {
         b.iter(|| {
             i += 1;
-            black_box(api::select(&state, bodies[i % bodies.len()].clone()).unwrap())
+            black_box(select(&state, bodies[i % bodies.len()].clone()))
         })
     });
     let stop = Arc::new(AtomicBool::new(false));
@@ -90,7 +90,7 @@ fn bench(c: &mut Criterion) {
     group.bench_function("during_event_storm", |b| {
         b.iter(|| {
             i += 1;
-            black_box(api::select(&state, bodies[i % bodies.len()].clone()).unwrap())
+            black_box(select(&state, bodies[i % bodies.len()].clone()))
         })
     });
     // As the HTTP handlers do: wait at the applier's gate (as a task) before taking the lock.
@@ -102,7 +102,7 @@ fn bench(c: &mut Criterion) {
         b.iter(|| {
             i += 1;
             runtime.block_on(state.applier.passed());
-            black_box(api::select(&state, bodies[i % bodies.len()].clone()).unwrap())
+            black_box(select(&state, bodies[i % bodies.len()].clone()))
         })
     });
     stop.store(true, Ordering::Relaxed);
@@ -113,3 +113,19 @@ fn bench(c: &mut Criterion) {
 
 criterion_group!(benches, bench);
 criterion_main!(benches);
+
+/// A select decided at once (no queue in these benches).
+fn select(
+    state: &std::sync::Arc<kvroute_service::state::AppState>,
+    body: SelectBody,
+) -> serde_json::Value {
+    api::admit(
+        state,
+        kvroute_service::queue::QueuedRoute::Select,
+        body,
+        None,
+    )
+    .decided()
+    .expect("no queue")
+    .expect("select")
+}

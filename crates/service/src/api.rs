@@ -3,16 +3,19 @@
 //! the Python binding both call these, so they cannot diverge in semantics.
 
 use crate::error::ApiError;
+use crate::queue::ResolvedSelect;
 use crate::state::AppState;
 use crate::types::*;
 use kvroute_core::error::{Error, PartitionKey, check_id};
 use kvroute_core::event::{KvEvent, Rank, Tier};
 use kvroute_core::hash::{PromptHashes, seed_for};
-use kvroute_core::selector::{
-    LifecycleCalls, PartitionDump, Prompt, ReservationRequest, SelectRequest,
-};
+use kvroute_core::selector::{LifecycleCalls, PartitionDump, Prompt, ReservationRequest};
 use serde_json::{Value, json};
 use std::time::Instant;
+
+mod admit;
+
+pub use admit::{Admission, Waiter, admit, admit_waiting, observe_queue, run_admission};
 
 pub type ApiResult = Result<Value, ApiError>;
 
@@ -35,6 +38,7 @@ pub fn upsert_worker(state: &AppState, body: WorkerBody) -> ApiResult {
     let outcome = state.selector.write().upsert_worker(spec)?;
     state.sync_listeners(&outcome.record, outcome.events_changed);
     state.sync.catalog_changed(outcome.record.spec.worker_id);
+    admit_waiting(state);
     Ok(worker_json(&outcome.record))
 }
 
@@ -50,6 +54,7 @@ pub fn patch_worker(state: &AppState, worker_id: u64, body: WorkerBody) -> ApiRe
     };
     state.sync_listeners(&outcome.record, outcome.events_changed);
     state.sync.catalog_changed(worker_id);
+    admit_waiting(state);
     Ok(worker_json(&outcome.record))
 }
 
@@ -60,6 +65,7 @@ pub fn delete_worker(state: &AppState, worker_id: u64) -> ApiResult {
     state.sync.catalog_changed(worker_id);
     // Its bookings ended: their sessions idle.
     state.share_session_changes();
+    admit_waiting(state);
     Ok(worker_json(&record))
 }
 
@@ -118,15 +124,6 @@ fn hash_for_partition(
     }
 }
 
-/// A select body resolved: partition, hashed prompt (hashed outside any lock), LoRA name.
-struct ResolvedSelect {
-    key: PartitionKey,
-    hashes: PromptHashes,
-    lora_name: Option<String>,
-    overrides: kvroute_core::schedule::Overrides,
-    routing_constraints: Option<kvroute_core::selector::RoutingConstraints>,
-}
-
 fn resolve_select(state: &AppState, body: &mut SelectBody) -> Result<ResolvedSelect, ApiError> {
     let key = body.key()?;
     let mut prompt = body.take_prompt();
@@ -148,29 +145,9 @@ fn resolve_select(state: &AppState, body: &mut SelectBody) -> Result<ResolvedSel
     })
 }
 
-impl ResolvedSelect {
-    fn request<'a>(&'a self, body: &'a SelectBody, advisory: bool) -> SelectRequest<'a> {
-        SelectRequest {
-            partition: &self.key,
-            selection_id: body.selection_id.as_deref(),
-            prompt: Prompt::Hashes(&self.hashes),
-            lora_name: self.lora_name.as_deref(),
-            expected_output_tokens: body.expected_output_tokens,
-            overrides: self.overrides,
-            pinned_worker: body.pinned(),
-            allowed_worker_ids: body.allowed_worker_ids.as_deref(),
-            routing_constraints: self.routing_constraints.as_ref(),
-            advisory,
-            session_id: body.session(),
-            affinity_target: body.affinity(),
-        }
-    }
-}
-
-/// `POST /select`.
-pub fn select(state: &AppState, mut body: SelectBody) -> ApiResult {
-    let resolved = resolve_select(state, &mut body)?;
-    let req = resolved.request(&body, body.advisory);
+/// `POST /select` decided now (the queue's `admit` decides when to call it).
+fn decide_select(state: &AppState, resolved: &ResolvedSelect, body: &SelectBody) -> ApiResult {
+    let req = resolved.request(body, body.advisory);
     let start = Instant::now();
     let selection = state
         .selector
@@ -184,10 +161,13 @@ pub fn select(state: &AppState, mut body: SelectBody) -> ApiResult {
     Ok(body)
 }
 
-/// `POST /select_and_reserve` (`advisory` does not apply).
-pub fn select_and_reserve(state: &AppState, mut body: SelectBody) -> ApiResult {
-    let resolved = resolve_select(state, &mut body)?;
-    let req = resolved.request(&body, false);
+/// `POST /select_and_reserve` decided now (`advisory` does not apply); also the booking's id.
+fn decide_select_and_reserve(
+    state: &AppState,
+    resolved: &ResolvedSelect,
+    body: &SelectBody,
+) -> (ApiResult, Option<String>) {
+    let req = resolved.request(body, false);
     let booked = state.selector.write().select_and_reserve(
         &req,
         body.reservation_id.as_deref(),
@@ -196,16 +176,20 @@ pub fn select_and_reserve(state: &AppState, mut body: SelectBody) -> ApiResult {
     );
     // A refused booking may have dropped its session's binding.
     state.share_session_changes();
-    let (selection, reservation) = booked?;
+    let (selection, reservation) = match booked {
+        Ok(b) => b,
+        Err(e) => return (Err(e.into()), None),
+    };
     state.sync.booking_changed(&reservation.reservation_id);
-    let body = select_and_reserve_json(&selection, &reservation);
+    let json = select_and_reserve_json(&selection, &reservation);
     state.metrics.observe_selection(selection);
-    Ok(body)
+    (Ok(json), Some(reservation.reservation_id))
 }
 
 /// `POST /reservations` (201).
 pub fn create_reservation(state: &AppState, mut body: ReservationBody) -> ApiResult {
     let key = body.key()?;
+    admit::check_id_not_queued(state, &key, body.selection_id.as_deref())?;
     let overrides = body.overrides()?;
     // The prompt matters only to the explicit form; a replay ignores it entirely.
     let explicit = body.worker_id.is_some();
@@ -257,7 +241,16 @@ pub fn prefill_complete(state: &AppState, id: &str) -> ApiResult {
     let id = reservation_id(id)?;
     state.selector.prefill_complete(id, state.now())?;
     state.sync.booking_changed(id);
+    admit_waiting(state);
     Ok(ok_status())
+}
+
+/// Frees a booking (no queue release: the caller decides when).
+fn free_booking(state: &AppState, id: &str) -> Result<(), ApiError> {
+    state.selector.free(id, state.now())?;
+    state.sync.booking_changed(id);
+    state.share_session_changes();
+    Ok(())
 }
 
 /// `POST /reservations/{id}/output_block`.
@@ -273,9 +266,8 @@ pub fn output_block(state: &AppState, id: &str, decay_fraction: Option<f64>) -> 
 /// `DELETE /reservations/{id}`.
 pub fn free_reservation(state: &AppState, id: &str) -> ApiResult {
     let id = reservation_id(id)?;
-    state.selector.free(id, state.now())?;
-    state.sync.booking_changed(id);
-    state.share_session_changes();
+    free_booking(state, id)?;
+    admit_waiting(state);
     Ok(ok_status())
 }
 
@@ -324,7 +316,17 @@ pub fn potential_loads(state: &AppState, mut body: PromptRouteBody) -> ApiResult
 
 /// `GET /loads`.
 pub fn loads(state: &AppState, model_name: Option<&str>, routing_group: Option<&str>) -> Value {
-    let loads = state.selector.read().loads(model_name, routing_group);
+    let mut loads = state.selector.read().loads(model_name, routing_group);
+    if state.queues.settings().is_some() {
+        // Dynamo's pending_count / pending_isl_tokens: what waits in the partition's queue.
+        let waiting = state.queues.snapshot();
+        for partition in &mut loads {
+            if let Some(q) = waiting.get(&partition.partition) {
+                partition.pending_count = q.count as u64;
+                partition.pending_isl_tokens = q.isl_tokens;
+            }
+        }
+    }
     loads_json(&loads)
 }
 

@@ -2,7 +2,9 @@
 //! variables (so tests can build it from an argument list without touching the process
 //! environment), validated with messages that name the knob.
 
+use crate::queue::QueueSettings;
 use clap::{Args, ValueEnum};
+use kvroute_core::admission::{QueueConfig, QueuePolicy};
 use kvroute_core::index::IndexConfig;
 use kvroute_core::pending::PendingConfig;
 use kvroute_core::schedule::{RouterProfile, SchedulerConfig};
@@ -168,6 +170,43 @@ pub struct ServeConfig {
     )]
     pub session_affinity_max_sessions: usize,
 
+    /// Admission queue: `/select` and `/select_and_reserve` wait while every rank they may go
+    /// to has more than this × its max_num_batched_tokens of active prefill, and are decided
+    /// when capacity frees (Dynamo's DYN_ROUTER_QUEUE_THRESHOLD, also read). Without it
+    /// requests never wait. With it a worker must state max_num_batched_tokens to be
+    /// schedulable.
+    #[arg(long, env = "KVROUTE_QUEUE_THRESHOLD")]
+    pub queue_threshold: Option<f64>,
+    /// The queue's order inside a tenant: fcfs, lcfs or wspt (shortest uncached prompt first),
+    /// after `strict_priority` and `priority_jump` (DYN_ROUTER_QUEUE_POLICY is also read)
+    /// [default: fcfs]
+    #[arg(long, env = "KVROUTE_QUEUE_POLICY", value_parser = parse_queue_policy())]
+    pub queue_policy: Option<QueuePolicy>,
+    /// Most requests waiting in all partitions together; beyond it a request gets 429 at once.
+    #[arg(long, env = "KVROUTE_QUEUE_MAX_REQUESTS", default_value_t = 10_000)]
+    pub queue_max_requests: usize,
+    /// The longest a request waits, in milliseconds, unless its `queue_timeout_ms` says
+    /// otherwise (429 beyond). Without it a request waits until it is decided.
+    #[arg(long, env = "KVROUTE_QUEUE_TIMEOUT_MS")]
+    pub queue_timeout_ms: Option<u64>,
+    /// A request that has waited this many milliseconds goes before its tenant's others, so no
+    /// order or priority starves it.
+    #[arg(long, env = "KVROUTE_QUEUE_PROMOTION_MS", default_value_t = 10_000)]
+    pub queue_promotion_ms: u64,
+    /// Fair share between tenants: each tenant's turn admits up to its weight × this many
+    /// prompt tokens before the next tenant's turn (deficit round robin).
+    #[arg(long, env = "KVROUTE_QUEUE_QUANTUM_TOKENS", default_value_t = 65_536)]
+    pub queue_quantum_tokens: u64,
+    /// A tenant's share of the queue's admissions, NAME=WEIGHT (repeatable; 1 by default).
+    /// Requests name their tenant with the `x-tenant-id` header.
+    #[arg(
+        long = "tenant-weight",
+        env = "KVROUTE_TENANT_WEIGHTS",
+        value_delimiter = ',',
+        value_parser = parse_tenant_weight
+    )]
+    pub tenant_weights: Vec<(String, u32)>,
+
     /// Do not subscribe to engines' KV events; predict every worker's cache from bookings.
     #[arg(long, env = "KVROUTE_NO_KV_EVENTS", default_value_t = false)]
     pub no_kv_events: bool,
@@ -192,6 +231,29 @@ fn parse_router_profile() -> impl clap::builder::TypedValueParser<Value = Router
     use clap::builder::TypedValueParser;
     clap::builder::PossibleValuesParser::new(RouterProfile::ALL.map(RouterProfile::name))
         .try_map(|name| name.parse::<RouterProfile>())
+}
+
+/// `--queue-policy`'s parser: fcfs, lcfs, wspt.
+fn parse_queue_policy() -> impl clap::builder::TypedValueParser<Value = QueuePolicy> {
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(QueuePolicy::ALL.map(QueuePolicy::name))
+        .try_map(|name| name.parse::<QueuePolicy>())
+}
+
+/// `--tenant-weight NAME=WEIGHT`.
+fn parse_tenant_weight(raw: &str) -> Result<(String, u32), String> {
+    let (name, weight) = raw
+        .split_once('=')
+        .ok_or_else(|| format!("expected NAME=WEIGHT (got {raw:?})"))?;
+    let weight: u32 = weight.trim().parse().map_err(|_| {
+        format!("the weight of {name:?} must be a whole number ≥ 1 (got {weight:?})")
+    })?;
+    if name.is_empty() || weight == 0 {
+        return Err(format!(
+            "expected a tenant name and a weight ≥ 1 (got {raw:?})"
+        ));
+    }
+    Ok((name.to_string(), weight))
 }
 
 fn finite_non_negative(name: &str, value: f64) -> Result<(), String> {
@@ -312,6 +374,13 @@ impl ServeConfig {
             session_affinity_mode: SessionAffinityMode::Hard,
             session_affinity_soft_factor: kvroute_core::selector::DEFAULT_SOFT_FACTOR,
             session_affinity_max_sessions: kvroute_core::selector::DEFAULT_MAX_SESSIONS,
+            queue_threshold: None,
+            queue_policy: None,
+            queue_max_requests: 10_000,
+            queue_timeout_ms: None,
+            queue_promotion_ms: 10_000,
+            queue_quantum_tokens: 65_536,
+            tenant_weights: Vec::new(),
             no_kv_events: false,
             approximate_cache_policy: ApproximatePolicy::Ttl,
             ingest_nice: 10,
@@ -463,7 +532,69 @@ impl ServeConfig {
                 ..predict
             },
             sessions: self.sessions()?,
+            queue_threshold: self.queue_settings()?.map(|q| q.threshold),
         })
+    }
+
+    /// The admission queue's settings; `None` without `--queue-threshold`.
+    pub fn queue_settings(&self) -> Result<Option<QueueSettings>, String> {
+        let Some(threshold) = self.queue_threshold else {
+            return Ok(None);
+        };
+        // As Dynamo: ≥ 0; infinity is accepted (nothing is ever full).
+        if threshold.is_nan() || threshold < 0.0 {
+            return Err(format!(
+                "--queue-threshold must be a number ≥ 0 (got {threshold})"
+            ));
+        }
+        if self.queue_max_requests == 0 {
+            return Err("--queue-max-requests must be at least 1".to_string());
+        }
+        let timeout = self
+            .queue_timeout_ms
+            .map(|ms| timeout_millis("queue-timeout-ms", ms))
+            .transpose()?;
+        let promotion = timeout_millis("queue-promotion-ms", self.queue_promotion_ms)?;
+        if self.queue_quantum_tokens == 0 {
+            return Err("--queue-quantum-tokens must be at least 1".to_string());
+        }
+        Ok(Some(QueueSettings {
+            threshold,
+            core: QueueConfig {
+                threshold: Some(threshold),
+                policy: self.queue_policy.unwrap_or_default(),
+                max_requests: self.queue_max_requests,
+                timeout,
+                max_wait_before_promotion: promotion,
+                tenant_weights: self.tenant_weights.iter().cloned().collect(),
+                quantum_tokens: self.queue_quantum_tokens,
+                ..QueueConfig::default()
+            },
+            retry_after_secs: 1,
+        }))
+    }
+
+    /// Reads Dynamo's queue variables for drop-in users (`get` looks one up; the binary passes
+    /// the process environment): `DYN_ROUTER_QUEUE_THRESHOLD` and `DYN_ROUTER_QUEUE_POLICY`,
+    /// where the flags (or `KVROUTE_*`) did not set them. A value that does not parse is an
+    /// error naming the variable (Dynamo ignores a threshold that does not parse).
+    pub fn apply_dynamo_env(&mut self, get: impl Fn(&str) -> Option<String>) -> Result<(), String> {
+        if self.queue_threshold.is_none()
+            && let Some(raw) = get("DYN_ROUTER_QUEUE_THRESHOLD")
+        {
+            let value: f64 = raw.parse().map_err(|_| {
+                format!("DYN_ROUTER_QUEUE_THRESHOLD must be a number ≥ 0 (got {raw:?})")
+            })?;
+            self.queue_threshold = Some(value);
+        }
+        if self.queue_policy.is_none()
+            && let Some(raw) = get("DYN_ROUTER_QUEUE_POLICY")
+        {
+            self.queue_policy = Some(raw.parse().map_err(|_| {
+                format!("unknown queue policy: {raw:?}, expected 'fcfs', 'lcfs', or 'wspt' (DYN_ROUTER_QUEUE_POLICY)")
+            })?);
+        }
+        Ok(())
     }
 }
 

@@ -10,6 +10,8 @@ use kvroute_core::error::Error;
 pub struct ApiError {
     pub status: StatusCode,
     pub message: String,
+    /// Seconds for a `Retry-After` header (a 429 of the admission queue).
+    pub retry_after: Option<u64>,
 }
 
 impl ApiError {
@@ -17,7 +19,14 @@ impl ApiError {
         Self {
             status,
             message: message.into(),
+            retry_after: None,
         }
+    }
+
+    /// The same error, telling the client to retry after `secs` seconds.
+    pub fn with_retry_after(mut self, secs: u64) -> Self {
+        self.retry_after = Some(secs);
+        self
     }
 
     pub fn bad_request(message: impl Into<String>) -> Self {
@@ -44,6 +53,12 @@ impl IntoResponse for ApiError {
             Json(serde_json::json!({ "error": self.message })),
         )
             .into_response();
+        if let Some(secs) = self.retry_after {
+            response.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from(secs),
+            );
+        }
         // A 408 ends the connection (RFC 9110 §15.5.9): the rest of the request may still come.
         if timed_out {
             response.headers_mut().insert(

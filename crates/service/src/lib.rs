@@ -15,13 +15,14 @@
 //! - [`http`]: routes, the strict JSON extractor, the OpenAPI document.
 //! - [`ingest`]: per-endpoint ZMQ SUB listeners with replay, gap and restart handling.
 //! - [`metrics`]: one Prometheus registry per service instance.
+//! - [`queue`]: the admission queue's waiting requests, per partition.
 //! - [`state`]: the shared state and how events, requests and ticks reach the selector.
 //! - [`sync`]: replica sync's knobs, hooks and messages: shared bookings, catalog and KV events.
 //! - `sync_tasks`: replica sync's tasks over NATS (feature `nats`), started by `kvroute serve`.
 //! - [`types`]: the JSON request and response bodies.
 //!
 //! The modules depend on each other in one direction only, each on modules listed before it:
-//! courtesy, error, types, metrics, ingest, sync, config, state, api, http, sync_tasks (held by
+//! courtesy, error, types, metrics, ingest, sync, queue, config, state, api, http, sync_tasks (held by
 //! the test `tests::modules_depend_in_one_direction`).
 // Unsafe code is denied everywhere but in `http::json::avx512` (a bench proved its need).
 #![deny(unsafe_code)]
@@ -33,6 +34,7 @@ pub mod error;
 pub mod http;
 pub mod ingest;
 pub mod metrics;
+pub mod queue;
 pub mod state;
 pub mod sync;
 #[cfg(feature = "nats")]

@@ -22,8 +22,10 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
+mod queue;
 mod sync;
 
+pub use queue::QueueMetrics;
 pub use sync::SyncMetrics;
 
 pub type Labels = Vec<(String, String)>;
@@ -148,6 +150,8 @@ pub struct Metrics {
     session_seen: Mutex<SessionCounters>,
     /// Replica sync over NATS (`kvroute_sync_*`).
     pub sync: SyncMetrics,
+    /// The admission queue (`kvroute_queue_*`).
+    pub queue: QueueMetrics,
 }
 
 impl Default for Metrics {
@@ -352,7 +356,9 @@ impl Metrics {
             session_events.clone(),
         );
         let sync = SyncMetrics::register(&mut registry);
+        let queue = QueueMetrics::register(&mut registry);
         Self {
+            queue,
             session_bindings,
             session_events,
             session_seen: Mutex::new(SessionCounters::default()),

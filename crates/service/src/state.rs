@@ -293,6 +293,8 @@ pub struct AppState {
     pub ingest: IngestManager,
     /// Replica sync hooks (no-ops without `--nats-url`).
     pub sync: crate::sync::SyncHandle,
+    /// The admission queue (`--queue-threshold`); never holds anything without it.
+    pub queues: crate::queue::SelectionQueues,
     shutting_down: AtomicBool,
     /// How far [`AppState::now`] runs ahead of the monotonic clock, in nanoseconds.
     clock_ahead_nanos: AtomicU64,
@@ -302,6 +304,7 @@ impl AppState {
     /// Builds the state from a validated configuration (the message names a bad knob).
     pub fn new(config: ServeConfig) -> Result<Arc<Self>, String> {
         let selector_config = config.validate()?;
+        let queues = crate::queue::SelectionQueues::new(config.queue_settings()?);
         let selector = Arc::new(RwLock::new(Selector::new(selector_config)));
         let metrics = Arc::new(Metrics::new());
         let (queue, receiver) = std::sync::mpsc::sync_channel(APPLY_QUEUE);
@@ -342,6 +345,7 @@ impl AppState {
             config,
             ingest,
             sync,
+            queues,
             shutting_down: AtomicBool::new(false),
             clock_ahead_nanos: AtomicU64::new(0),
         }))
@@ -384,6 +388,20 @@ impl AppState {
     /// Refuses new work from now on; in-flight requests finish.
     pub fn begin_shutdown(&self) {
         self.shutting_down.store(true, Ordering::SeqCst);
+        // Every waiting request is answered 503 before the selector stops; none is decided.
+        let waiting = self.queues.lock().drain();
+        for queued in waiting {
+            self.metrics
+                .queue
+                .observe_wait("shutdown", queued.since.elapsed().as_secs_f64());
+            let _ = queued.reply.send(crate::queue::Decision {
+                result: Err(crate::error::ApiError::new(
+                    axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                    crate::queue::SHUTTING_DOWN,
+                )),
+                booked: None,
+            });
+        }
         self.selector.write().shutdown();
         self.ingest.shutdown();
     }

@@ -13,6 +13,7 @@ const ORDER: &[&str] = &[
     "metrics",
     "ingest",
     "sync",
+    "queue",
     "config",
     "state",
     "api",

@@ -413,6 +413,13 @@ pub struct SelectBody {
     pub session_id: Option<String>,
     pub session_context: Option<SelectionSessionContext>,
     pub affinity_target: Option<WorkerAffinityTarget>,
+    /// Seconds to move ahead in the admission queue (Dynamo's field; below 0 counts as 0).
+    pub priority_jump: Option<f64>,
+    /// Higher goes first in the admission queue, before any other order (Dynamo's field).
+    pub strict_priority: Option<u32>,
+    /// The longest this request may wait in the admission queue, in milliseconds (kvroute's;
+    /// default `--queue-timeout-ms`).
+    pub queue_timeout_ms: Option<u64>,
 }
 
 impl SelectBody {

@@ -450,7 +450,7 @@ impl Fleet<'_> {
         };
         match queue.push(&tenant_name(request.tenant), order, id) {
             Ok(_) => self.release(router, rng, t, now, progress),
-            Err(QueueError::Full { .. }) => {
+            Err((QueueError::Full { .. }, _)) => {
                 self.outcomes[id as usize].shed = Some(Shed::QueueFull);
                 self.finish_one(progress);
                 Ok(())

@@ -59,6 +59,10 @@ impl Selector {
         if spec.dp_size() == 0 {
             reasons.push("data_parallel_size must be greater than 0".to_string());
         }
+        if self.config.queue_threshold.is_some() && spec.max_num_batched_tokens.is_none() {
+            reasons
+                .push("max_num_batched_tokens is required while queueing is enabled".to_string());
+        }
         let ranks = spec.dp_ranks();
         if spec.kv_events_endpoints.is_empty() {
             if let Some(addr) = spec.kv_events_endpoint.as_deref().filter(|a| !a.is_empty()) {

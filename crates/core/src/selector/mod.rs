@@ -104,6 +104,10 @@ pub struct SelectorConfig {
     pub predict: PredictConfig,
     /// Session affinity (`sessions.rs`); off by default.
     pub sessions: SessionConfig,
+    /// The admission queue's threshold (`crate::admission`), when the service queues: a rank
+    /// is full above this × its `max_num_batched_tokens` of active prefill, so a worker must
+    /// state that capacity to be schedulable (as Dynamo requires while queueing).
+    pub queue_threshold: Option<f64>,
 }
 
 impl Default for SelectorConfig {
@@ -118,6 +122,7 @@ impl Default for SelectorConfig {
             ttl: TtlConfig::default(),
             predict: PredictConfig::default(),
             sessions: SessionConfig::default(),
+            queue_threshold: None,
         }
     }
 }

@@ -62,6 +62,85 @@ impl Selector {
         out
     }
 
+    /// The workers a request may go to: its pinned worker, else its allowed ones, less those
+    /// its required taints exclude.
+    fn eligible<'w>(
+        req: &SelectRequest<'_>,
+        workers: Vec<&'w WorkerRecord>,
+    ) -> Result<Vec<&'w WorkerRecord>, Error> {
+        let mut eligible: Vec<&WorkerRecord> = match (req.pinned_worker, req.allowed_worker_ids) {
+            (Some(pin), _) => workers
+                .into_iter()
+                .filter(|r| r.spec.worker_id == pin.worker_id)
+                .filter(|r| pin.dp_rank.is_none_or(|d| r.spec.dp_ranks().contains(&d)))
+                .collect(),
+            (None, Some(allowed)) => workers
+                .into_iter()
+                .filter(|r| allowed.contains(&r.spec.worker_id))
+                .collect(),
+            (None, None) => workers,
+        };
+        constraints::retain_admitted(&mut eligible, req.routing_constraints);
+        if eligible.is_empty() {
+            return Err(Error::NoEndpointsAvailable);
+        }
+        Ok(eligible)
+    }
+
+    /// The eligible workers' ranks as candidates (only the pinned rank of a pinned worker).
+    fn eligible_candidates<'w>(
+        &self,
+        req: &SelectRequest<'_>,
+        eligible: &[&'w WorkerRecord],
+        overlaps: &Overlaps,
+        hashes: &PromptHashes,
+        block_size: u32,
+    ) -> Vec<(Candidate, &'w WorkerRecord)> {
+        let mut candidates = self.candidates(eligible, overlaps, hashes, block_size);
+        if let Some(PinnedWorker {
+            dp_rank: Some(d), ..
+        }) = req.pinned_worker
+        {
+            candidates.retain(|(c, _)| c.rank.dp_rank == d);
+        }
+        candidates
+    }
+
+    /// Whether a request would wait in the admission queue (`crate::admission`): every rank it
+    /// may go to is over `threshold` × its `max_num_batched_tokens` of active prefill. Also the
+    /// prompt's tokens not cached on its best such rank (the `wspt` order). An error is what
+    /// selecting would answer now (no such worker): the request is decided, not queued.
+    pub fn queue_probe(
+        &self,
+        req: &SelectRequest<'_>,
+        threshold: f64,
+    ) -> Result<QueueProbe, Error> {
+        self.check_running()?;
+        let (p, workers) = self.schedulable_workers(req.partition)?;
+        let block_size = workers.first().and_then(|r| r.spec.block_size).unwrap_or(1);
+        let hashes = req.prompt.hash(block_size)?;
+        let eligible = Self::eligible(req, workers)?;
+        let overlaps = Self::overlaps(p, &hashes);
+        let candidates = self.eligible_candidates(req, &eligible, &overlaps, &hashes, block_size);
+        let full = candidates.iter().all(|(c, _)| {
+            crate::admission::over_threshold(
+                threshold,
+                c.active_prefill_tokens,
+                c.max_num_batched_tokens,
+            )
+        });
+        let cached = candidates
+            .iter()
+            .map(|(c, _)| u64::from(c.device_blocks) * u64::from(block_size))
+            .max()
+            .unwrap_or(0);
+        Ok(QueueProbe {
+            full,
+            isl_tokens: hashes.isl_tokens,
+            uncached_tokens: hashes.isl_tokens.saturating_sub(cached),
+        })
+    }
+
     pub(super) fn overlaps(p: &Partition, hashes: &PromptHashes) -> Overlaps {
         let mut ranks = p.index.find_matches(&hashes.sequence).ranks;
         ranks.sort_unstable_by_key(|o| o.rank);
@@ -84,32 +163,9 @@ impl Selector {
         let hashes = req.prompt.hash(block_size)?;
         let config = self.config.scheduler.with(&req.overrides);
 
-        let mut eligible: Vec<&WorkerRecord> = match (req.pinned_worker, req.allowed_worker_ids) {
-            (Some(pin), _) => workers
-                .iter()
-                .copied()
-                .filter(|r| r.spec.worker_id == pin.worker_id)
-                .filter(|r| pin.dp_rank.is_none_or(|d| r.spec.dp_ranks().contains(&d)))
-                .collect(),
-            (None, Some(allowed)) => workers
-                .iter()
-                .copied()
-                .filter(|r| allowed.contains(&r.spec.worker_id))
-                .collect(),
-            (None, None) => workers,
-        };
-        constraints::retain_admitted(&mut eligible, req.routing_constraints);
-        if eligible.is_empty() {
-            return Err(Error::NoEndpointsAvailable);
-        }
+        let eligible = Self::eligible(req, workers)?;
         let overlaps = Self::overlaps(p, &hashes);
-        let mut candidates = self.candidates(&eligible, &overlaps, &hashes, block_size);
-        if let Some(PinnedWorker {
-            dp_rank: Some(d), ..
-        }) = req.pinned_worker
-        {
-            candidates.retain(|(c, _)| c.rank.dp_rank == d);
-        }
+        let candidates = self.eligible_candidates(req, &eligible, &overlaps, &hashes, block_size);
         // Decision quality (`Selection::best_gpu_overlap`): from the overlaps already walked.
         let best_device_blocks = candidates
             .iter()

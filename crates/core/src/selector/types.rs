@@ -415,3 +415,14 @@ pub struct TickOutcome {
     pub expired_reservations: Vec<String>,
     pub expired_selections: usize,
 }
+
+/// What [`Selector::queue_probe`] finds for a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueProbe {
+    /// Every rank the request may go to is over the queue threshold.
+    pub full: bool,
+    /// The prompt's tokens.
+    pub isl_tokens: u64,
+    /// Those not cached on the rank holding most of them.
+    pub uncached_tokens: u64,
+}

@@ -3,12 +3,13 @@
 use super::json::{JsonBody, OptionalJson, StrictJson};
 use crate::api;
 use crate::error::ApiError;
+use crate::queue::QueuedRoute;
 use crate::state::AppState;
 use crate::types::*;
 use axum::Json;
 use axum::extract::{FromRequestParts, Path, Query, State};
-use axum::http::StatusCode;
 use axum::http::request::Parts;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::Value;
 use std::sync::Arc;
@@ -106,17 +107,41 @@ pub async fn health() -> AppResult {
     ok(api::ok_status())
 }
 
-pub async fn select(State(state): Shared, StrictJson(body): StrictJson<SelectBody>) -> AppResult {
+/// The request's tenant in the admission queue: the `x-tenant-id` header.
+fn tenant(headers: &HeaderMap) -> Result<Option<&str>, ApiError> {
+    match headers.get("x-tenant-id") {
+        None => Ok(None),
+        Some(v) => v
+            .to_str()
+            .map(Some)
+            .map_err(|_| ApiError::bad_request("x-tenant-id must be visible ASCII")),
+    }
+}
+
+pub async fn select(
+    State(state): Shared,
+    headers: HeaderMap,
+    StrictJson(body): StrictJson<SelectBody>,
+) -> AppResult {
     state.applier.passed().await;
-    ok(api::select(&state, body)?)
+    let tenant = tenant(&headers)?;
+    ok(api::admit(&state, QueuedRoute::Select, body, tenant)
+        .answer()
+        .await?)
 }
 
 pub async fn select_and_reserve(
     State(state): Shared,
+    headers: HeaderMap,
     StrictJson(body): StrictJson<SelectBody>,
 ) -> AppResult {
     state.applier.passed().await;
-    ok(api::select_and_reserve(&state, body)?)
+    let tenant = tenant(&headers)?;
+    ok(
+        api::admit(&state, QueuedRoute::SelectAndReserve, body, tenant)
+            .answer()
+            .await?,
+    )
 }
 
 pub async fn create_reservation(
@@ -203,6 +228,7 @@ pub async fn dump(State(state): Shared) -> AppResult {
 }
 
 pub async fn metrics(State(state): Shared) -> Response {
+    api::observe_queue(&state);
     let text = state.metrics.render(&state.selector.read());
     (
         [(

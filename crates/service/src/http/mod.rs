@@ -275,6 +275,7 @@ pub async fn serve(
         .map_err(|message| std::io::Error::new(std::io::ErrorKind::InvalidInput, message))?;
     connections::warn_if_above_file_limit(limits.max_connections);
     tokio::spawn(Arc::clone(&state).run_housekeeping());
+    tokio::spawn(crate::api::run_admission(Arc::clone(&state)));
     let drain_state = Arc::clone(&state);
     let listener =
         connections::GuardedListener::new(listener, limits, state.metrics.connections.clone());

@@ -5,6 +5,7 @@
 //! - [`dynamo_compat`]: the exchanges recorded from Dynamo's selection service, replayed.
 //! - [`http`]: the HTTP service end to end, every error row, limits, shutdown, a real socket.
 //! - [`ingest`]: live KV events from fake engines over real ZeroMQ sockets.
+//! - [`queue`]: the admission queue: waiting, order, tenants, timeouts, bounds, disconnects.
 //! - [`replicas`]: replicas sharing state through a real `nats-server`.
 //! - [`sessions`]: session affinity over HTTP: soft mode, explicit bookings, its metrics.
 //! - [`common`]: the in-process app, the raw client and the `nats-server` they share.
@@ -20,5 +21,6 @@ mod dashboard;
 mod dynamo_compat;
 mod http;
 mod ingest;
+mod queue;
 mod replicas;
 mod sessions;

@@ -12,6 +12,7 @@ use serde_json::Value;
 use std::sync::Arc;
 use tower::ServiceExt;
 
+#[derive(Clone)]
 pub struct TestApp {
     pub state: Arc<AppState>,
 }
@@ -41,6 +42,37 @@ impl TestApp {
         body: Vec<u8>,
         headers: &[(&str, &str)],
     ) -> Reply {
+        self.raw_full(method, path, content_type, body, headers)
+            .await
+            .0
+    }
+
+    /// A JSON request with extra headers; the reply and its `Retry-After`.
+    pub async fn raw_with_headers(
+        &self,
+        method: Method,
+        path: &str,
+        body: Vec<u8>,
+        headers: &[(&str, &str)],
+    ) -> (Reply, Option<String>) {
+        let (reply, response_headers) = self
+            .raw_full(method, path, Some("application/json"), body, headers)
+            .await;
+        let retry = response_headers
+            .get("retry-after")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        (reply, retry)
+    }
+
+    async fn raw_full(
+        &self,
+        method: Method,
+        path: &str,
+        content_type: Option<&str>,
+        body: Vec<u8>,
+        headers: &[(&str, &str)],
+    ) -> (Reply, axum::http::HeaderMap) {
         let mut builder = Request::builder().method(method).uri(path);
         if let Some(ct) = content_type {
             builder = builder.header("content-type", ct);
@@ -54,6 +86,7 @@ impl TestApp {
             .await
             .expect("infallible");
         let status = response.status();
+        let response_headers = response.headers().clone();
         let bytes = response
             .into_body()
             .collect()
@@ -62,7 +95,7 @@ impl TestApp {
             .to_bytes();
         let text = String::from_utf8_lossy(&bytes).to_string();
         let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-        Reply { status, body, text }
+        (Reply { status, body, text }, response_headers)
     }
 
     pub async fn call(&self, method: Method, path: &str, body: Option<Value>) -> Reply {
