@@ -228,6 +228,9 @@ pub fn document() -> Value {
         s.insert("session_id".into(), json!({"type": "string", "nullable": true, "maxLength": 256, "description": "With --session-affinity-ttl-secs: the request's session; a booking binds it to the chosen rank, later requests of the session go there (ignored without the flag)"}));
         s.insert("session_context".into(), schema("SessionContext"));
         s.insert("affinity_target".into(), json!({"type": "object", "required": ["worker_id"], "description": "A worker (and rank) preferred over any load, and over a bound session; ignored when not schedulable here", "properties": {"worker_id": {"type": "integer"}, "dp_rank": {"type": "integer"}}}));
+        s.insert("priority_jump".into(), json!({"type": "number", "nullable": true, "description": "With --queue-threshold: seconds to move ahead in the admission queue (below 0 counts as 0). The request's tenant is its x-tenant-id header."}));
+        s.insert("strict_priority".into(), json!({"type": "integer", "minimum": 0, "maximum": 4294967295u64, "nullable": true, "description": "With --queue-threshold: higher goes first in the admission queue, before any other order"}));
+        s.insert("queue_timeout_ms".into(), json!({"type": "integer", "minimum": 1, "maximum": 86400000, "nullable": true, "description": "With --queue-threshold: the longest this request waits in the admission queue (default --queue-timeout-ms); 429 beyond"}));
     }
     if let Some(r) = reservation.as_object_mut() {
         r.insert("selection_id".into(), json!({"type": "string", "maxLength": 1024, "description": "Replay form: the selection to book. Every prompt, dp_rank, effective_prefill_tokens and expected_output_tokens field is IGNORED on replay: the cached selection wins."}));

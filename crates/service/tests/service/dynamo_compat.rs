@@ -11,7 +11,7 @@ use kvroute_service::ServeConfig;
 use serde_json::Value;
 use std::path::PathBuf;
 
-fn fixtures() -> PathBuf {
+pub(crate) fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/dynamo")
 }
 
@@ -264,7 +264,7 @@ async fn kvroute_answers_dynamo_clients_like_dynamo() {
 /// A `BlockStored` batch laid out as the capture's publisher (`bench/dynamo/fake_engine.py`)
 /// wrote it: vLLM's array form up to `medium`, then `lora_name`, `extra_keys` and Dynamo's own
 /// `block_mm_infos` (position 9) when any of them is given.
-fn capture_batch(
+pub(crate) fn capture_batch(
     hashes: &[u64],
     tokens: &[u32],
     extra_keys: Option<rmpv::Value>,
@@ -315,7 +315,7 @@ fn dumped_blocks(dump: &Value, partition: &str) -> std::collections::BTreeSet<(u
 }
 
 /// Device, host and disk blocks per worker of an `/overlap_scores` answer.
-fn overlap_by_worker(scores: &Value) -> std::collections::BTreeMap<u64, Value> {
+pub(crate) fn overlap_by_worker(scores: &Value) -> std::collections::BTreeMap<u64, Value> {
     scores["workers"]
         .as_array()
         .into_iter()

@@ -3,6 +3,7 @@
 //! - [`connections`]: slow and idle clients: the connection limits and timeouts.
 //! - [`dashboard`]: the status page in headless Chromium against a live service.
 //! - [`dynamo_compat`]: the exchanges recorded from Dynamo's selection service, replayed.
+//! - [`dynamo_queue`]: Dynamo's admission queue recorded (`queue.json`), replayed with its sends.
 //! - [`http`]: the HTTP service end to end, every error row, limits, shutdown, a real socket.
 //! - [`ingest`]: live KV events from fake engines over real ZeroMQ sockets.
 //! - [`queue`]: the admission queue: waiting, order, tenants, timeouts, bounds, disconnects.
@@ -19,6 +20,7 @@ mod common;
 mod connections;
 mod dashboard;
 mod dynamo_compat;
+mod dynamo_queue;
 mod http;
 mod ingest;
 mod queue;
