@@ -65,6 +65,15 @@ class SelectionService:
         session_affinity_mode: Literal["hard", "soft"] = "hard",
         session_affinity_soft_factor: float = 3.0,
         session_affinity_max_sessions: int = 262144,
+        # Admission queue (off with None): select and select_and_reserve wait while every rank
+        # they may go to has more than this × its max_num_batched_tokens of active prefill.
+        queue_threshold: Optional[float] = None,
+        queue_policy: Literal["fcfs", "lcfs", "wspt"] = "fcfs",
+        queue_max_requests: int = 10000,
+        queue_timeout_ms: Optional[int] = None,
+        queue_promotion_ms: int = 10000,
+        queue_quantum_tokens: int = 65536,
+        tenant_weights: Optional[Dict[str, int]] = None,
     ) -> None: ...
 
     # Catalog
@@ -82,10 +91,11 @@ class SelectionService:
         """``GET /ready``'s body: ``{"ready", "schedulable_workers", "workers"}``."""
 
     # Selection and bookings
-    def select(self, request: JsonDict) -> Awaitable[JsonDict]:
-        """``POST /select``."""
-    def select_and_reserve(self, request: JsonDict) -> Awaitable[JsonDict]:
-        """``POST /select_and_reserve``."""
+    def select(self, request: JsonDict, *, tenant: Optional[str] = None) -> Awaitable[JsonDict]:
+        """``POST /select``. With ``queue_threshold`` it may wait in the admission queue
+        (``tenant`` is its ``x-tenant-id``); cancelling the awaitable takes it out."""
+    def select_and_reserve(self, request: JsonDict, *, tenant: Optional[str] = None) -> Awaitable[JsonDict]:
+        """``POST /select_and_reserve``; waits in the admission queue like ``select``."""
     def create_reservation(self, request: JsonDict) -> Awaitable[JsonDict]:
         """``POST /reservations`` (replay with ``selection_id`` or explicit with ``worker_id``)."""
     def prefill_complete(
