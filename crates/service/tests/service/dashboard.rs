@@ -496,3 +496,73 @@ async fn screenshot(app: &TestApp, engines: &mut [FakeEngine], url: &str, file: 
     assert!(file.is_file(), "no screenshot at {}", file.display());
     eprintln!("dashboard: screenshot at {}", file.display());
 }
+
+/// With the admission queue on, the page shows what waits in a partition and for which tenant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_shows_the_admission_queue() {
+    let chromium = chromium();
+    let mut config =
+        ServeConfig::parse_from(["kvroute", "--queue-threshold", "0.5"]).expect("flags");
+    config.api_key = Some(KEY.into());
+    let app = TestApp::with_config(config);
+    let (port, stop) = serve(&app.state).await;
+    call(
+        &app,
+        Method::POST,
+        "/workers",
+        Some(
+            serde_json::json!({"worker_id": 1, "endpoint": "http://w1:8000", "block_size": 4,
+                                "max_num_batched_tokens": 64}),
+        ),
+    )
+    .await;
+    call(
+        &app,
+        Method::POST,
+        "/reservations",
+        Some(serde_json::json!({"selection_id": "blk", "worker_id": 1,
+                                "token_ids": prompt(1, 40)})),
+    )
+    .await;
+    let mut waiting = Vec::new();
+    for (i, tenant) in ["gold", "gold", "free"].into_iter().enumerate() {
+        let app = app.clone();
+        let body = serde_json::json!({"token_ids": prompt(10 + i as u32, 12)}).to_string();
+        waiting.push(tokio::spawn(async move {
+            app.raw(
+                Method::POST,
+                "/select_and_reserve",
+                Some("application/json"),
+                body.into_bytes(),
+                &[("authorization", &bearer()), ("x-tenant-id", tenant)],
+            )
+            .await
+        }));
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while call(&app, Method::GET, "/loads", None).await[0]["pending_count"] != 3 {
+        assert!(Instant::now() < deadline, "the requests never waited");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let url = format!("http://kvroute:{KEY}@127.0.0.1:{port}/dashboard");
+    let dom = tokio::task::spawn_blocking(move || {
+        run_chromium(
+            &url,
+            &["--virtual-time-budget=4000".into(), "--dump-dom".into()],
+        )
+    })
+    .await
+    .unwrap();
+    assert!(dom.contains("data-state=\"ready\""), "{chromium:?}:\n{dom}");
+    assert_eq!(field(&dom, "pending_count").as_deref(), Some("3"), "{dom}");
+    assert_eq!(field(&dom, "pending_isl_tokens").as_deref(), Some("36"));
+    assert_eq!(
+        field(&dom, "queue_tenants").as_deref(),
+        Some("free 1, gold 2"),
+        "{dom}"
+    );
+    let _ = stop.send(());
+    for task in waiting {
+        assert_eq!(task.await.unwrap().status, StatusCode::SERVICE_UNAVAILABLE);
+    }
+}
