@@ -239,13 +239,20 @@ async fn chat_completions_answer_in_openai_shapes() {
     assert_eq!(choice["finish_reason"], "length");
     let rendered = "<|system|>\nBe brief.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\n";
     assert_usage(&body["usage"], rendered.len() as u64, 7, 0);
-    // `max_tokens` works too.
+    // The next turn carries the answer: it hits the blocks that held it. 61 prompt tokens and
+    // 6 computed answer tokens filled 4 blocks; the prompt alone fills 3.
+    let mut next_turn = messages.as_array().unwrap().clone();
+    next_turn.push(json!({"role": "assistant", "content": &OUTPUT_TEXT[..7]}));
+    next_turn.push(json!({"role": "user", "content": "And then?"}));
     let (_, body) = post(
         engine.addr(),
         "/v1/chat/completions",
-        &json!({"messages": messages, "max_tokens": 3}),
+        &json!({"messages": next_turn, "max_tokens": 3}),
     )
     .await;
+    assert_eq!(rendered.len(), 61);
+    assert_eq!(body["usage"]["prompt_tokens_details"]["cached_tokens"], 64);
+    // `max_tokens` works too.
     assert_eq!(body["usage"]["completion_tokens"], 3);
     engine.shutdown().await;
 }
