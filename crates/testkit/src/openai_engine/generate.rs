@@ -25,6 +25,7 @@ use kvroute_core::hash::{BASE_SEED, PromptHashes};
 use kvroute_sim::SimRequest;
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
@@ -257,9 +258,15 @@ impl Answer {
         )
     }
 
-    /// Takes the next piece of news into account and returns it; `None` if the engine stopped.
+    /// Takes the next piece of news into account and returns it; `None` if the engine stopped
+    /// (never, when it was killed: the connection is dropped instead).
     async fn next(&mut self) -> Option<Progress> {
-        let news = self.news.recv().await?;
+        let Some(news) = self.news.recv().await else {
+            if self.state.shared.killed.load(Ordering::SeqCst) {
+                std::future::pending::<()>().await;
+            }
+            return None;
+        };
         match news {
             Progress::Admitted { cached_tokens } => self.cached_tokens = cached_tokens,
             Progress::Token => {

@@ -161,6 +161,9 @@ pub struct ServedRequest {
 
 /// What the routes, the engine loop and the handle share.
 pub(crate) struct Shared {
+    /// Set before the kill signal goes out: a response whose engine stopped for this reason
+    /// never ends (its connection is about to be dropped), rather than racing to end cleanly.
+    killed: AtomicBool,
     unhealthy: AtomicBool,
     first_token_delay_nanos: AtomicU64,
     served: AtomicU64,
@@ -178,6 +181,7 @@ impl Shared {
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64);
         Self {
+            killed: AtomicBool::new(false),
             unhealthy: AtomicBool::new(false),
             first_token_delay_nanos: AtomicU64::new(0),
             served: AtomicU64::new(0),
@@ -380,6 +384,7 @@ impl MockEngine {
     /// streamed ends without its last chunk), new connections are refused, the engine loop
     /// and its PUB socket stop. For good.
     pub fn kill(&self) {
+        self.shared.killed.store(true, Ordering::SeqCst);
         self.killed.send_replace(true);
     }
 
@@ -426,7 +431,7 @@ impl MockEngine {
     pub async fn shutdown(mut self) {
         self.graceful.send_replace(true);
         let _ = tokio::time::timeout(SHUTDOWN_GRACE, self.open.closed()).await;
-        self.killed.send_replace(true);
+        self.kill();
         for task in std::mem::take(&mut self.tasks) {
             let _ = task.await;
         }
@@ -435,6 +440,6 @@ impl MockEngine {
 
 impl Drop for MockEngine {
     fn drop(&mut self) {
-        self.killed.send_replace(true);
+        self.kill();
     }
 }
