@@ -694,7 +694,12 @@ async fn bad_requests_get_openai_errors() {
 
 #[tokio::test]
 async fn the_first_token_delay_holds_requests_back() {
-    let engine = start(fast()).await;
+    // Time scale 0: steps take no real time, so the delay is all there is.
+    let engine = start(MockEngineConfig {
+        time_scale: 0.0,
+        ..MockEngineConfig::default()
+    })
+    .await;
     engine.set_first_token_delay(Duration::from_millis(150));
     let body = json!({"prompt": "x", "max_tokens": 1, "stream": true});
     let streamed = stream(engine.addr(), "/v1/completions", &body, |_| true).await;

@@ -125,10 +125,21 @@ impl EngineLoop {
                     continue;
                 }
             };
-            let wake = started + Duration::from_secs_f64(nanos as f64 * 1e-9 * self.time_scale);
-            tokio::select! {
-                () = tokio::time::sleep_until(wake) => {}
-                () = until_true(&mut killed) => break,
+            // Any finite non-negative scale is valid: a step too long for a Duration is "forever".
+            let step = Duration::try_from_secs_f64(nanos as f64 * 1e-9 * self.time_scale)
+                .unwrap_or(Duration::MAX);
+            let remaining = step.saturating_sub(started.elapsed());
+            if remaining.is_zero() {
+                // Steps at no real time (time_scale 0) still let the routes' tasks run.
+                tokio::task::yield_now().await;
+            } else {
+                tokio::select! {
+                    () = tokio::time::sleep(remaining) => {}
+                    () = until_true(&mut killed) => break,
+                }
+            }
+            if *killed.borrow() {
+                break;
             }
             let report = self.engine.finish_step();
             self.publish(&report.events).await;

@@ -443,3 +443,45 @@ impl Drop for MockEngine {
         self.kill();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_config_is_validated_and_block_size_wins() {
+        let config = MockEngineConfig::default();
+        assert_eq!(config.validated_engine().unwrap().block_size, 16);
+        let engine = MockEngineConfig {
+            block_size: 32,
+            ..MockEngineConfig::default()
+        }
+        .validated_engine()
+        .unwrap();
+        assert_eq!(engine.block_size, 32);
+        for bad in [
+            MockEngineConfig {
+                time_scale: f64::NAN,
+                ..MockEngineConfig::default()
+            },
+            MockEngineConfig {
+                time_scale: -1.0,
+                ..MockEngineConfig::default()
+            },
+            MockEngineConfig {
+                block_size: 0,
+                ..MockEngineConfig::default()
+            },
+            MockEngineConfig {
+                model: String::new(),
+                ..MockEngineConfig::default()
+            },
+            MockEngineConfig {
+                default_max_tokens: 0,
+                ..MockEngineConfig::default()
+            },
+        ] {
+            assert!(bad.validated_engine().is_err(), "{bad:?}");
+        }
+    }
+}
