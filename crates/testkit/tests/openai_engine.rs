@@ -597,7 +597,7 @@ async fn bad_requests_get_openai_errors() {
     })
     .await;
     let mut connection = Connection::open(engine.addr()).await;
-    let cases: [(&str, &str, u16, &str); 12] = [
+    let cases: &[(&str, &str, u16, &str)] = &[
         ("/v1/completions", "{not json", 400, "Invalid JSON body"),
         ("/v1/completions", "[1, 2]", 400, "Invalid JSON body"),
         (
@@ -660,8 +660,68 @@ async fn bad_requests_get_openai_errors() {
             404,
             "does not exist",
         ),
+        (
+            "/tokenize",
+            r#"{"model": "default"}"#,
+            400,
+            "give `prompt` or `messages`",
+        ),
+        (
+            "/detokenize",
+            r#"{"tokens": [-1]}"#,
+            400,
+            "Invalid JSON body",
+        ),
+        (
+            "/v1/completions",
+            "\u{0}\u{ff}garbage",
+            400,
+            "Invalid JSON body",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": [[1, 2], [3]]}"#,
+            400,
+            "one prompt per request",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "x", "n": 2}"#,
+            400,
+            "n = 2",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "x", "max_tokens": -5}"#,
+            400,
+            "at least 1",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "x", "max_tokens": 1e30}"#,
+            400,
+            "Invalid JSON body",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "x", "max_tokens": 99999999999}"#,
+            400,
+            "maximum context length",
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": [{"role": "user", "content": {"a": 1}}]}"#,
+            400,
+            "content must be a string",
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": [{"content": "no role"}]}"#,
+            400,
+            "Invalid JSON body",
+        ),
     ];
-    for (path, body, status, message) in cases {
+    for &(path, body, status, message) in cases {
         let (got, answer) = connection.call("POST", path, body.as_bytes()).await;
         assert_eq!(got, status, "{path} {body}");
         let answer: Value = serde_json::from_slice(&answer).unwrap();

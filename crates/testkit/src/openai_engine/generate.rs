@@ -168,9 +168,11 @@ fn streaming(
 fn max_tokens(requested: Option<i64>, default: u32) -> Result<u32, ApiError> {
     match requested {
         None => Ok(default),
-        Some(n) => u32::try_from(n).ok().filter(|&n| n >= 1).ok_or_else(|| {
-            ApiError::bad_request(format!("max_tokens must be at least 1, got {n}."))
-        }),
+        Some(n) if n < 1 => Err(ApiError::bad_request(format!(
+            "max_tokens must be at least 1, got {n}."
+        ))),
+        // Beyond u32, the context-length check refuses it.
+        Some(n) => Ok(u32::try_from(n).unwrap_or(u32::MAX)),
     }
 }
 
