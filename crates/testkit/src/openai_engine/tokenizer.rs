@@ -29,7 +29,8 @@ enum Kind {
 
 struct Inner {
     kind: Kind,
-    /// The generated tokens, repeated: `output_ids[i % len]` is the answer's token `i`.
+    /// The generated tokens, repeated: `output_ids[i % len]` is the answer's token `i`. Never
+    /// empty (both constructors see to it), so that index is always valid.
     output_ids: Vec<u32>,
     /// The text of each, as a stream shows it.
     output_pieces: Vec<String>,
