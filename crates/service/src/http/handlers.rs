@@ -8,8 +8,8 @@ use crate::state::AppState;
 use crate::types::*;
 use axum::Json;
 use axum::extract::{FromRequestParts, Path, Query, State};
+use axum::http::StatusCode;
 use axum::http::request::Parts;
-use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::Value;
 use std::sync::Arc;
@@ -107,41 +107,50 @@ pub async fn health() -> AppResult {
     ok(api::ok_status())
 }
 
-/// The request's tenant in the admission queue: the `x-tenant-id` header.
-fn tenant(headers: &HeaderMap) -> Result<Option<&str>, ApiError> {
-    match headers.get("x-tenant-id") {
-        None => Ok(None),
-        Some(v) => v
-            .to_str()
-            .map(Some)
-            .map_err(|_| ApiError::bad_request("x-tenant-id must be visible ASCII")),
+/// The request's tenant in the admission queue: its `x-tenant-id` header (only that header is
+/// copied, and only when sent).
+pub struct Tenant(pub Option<String>);
+
+impl<S: Send + Sync> FromRequestParts<S> for Tenant {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        match parts.headers.get("x-tenant-id") {
+            None => Ok(Tenant(None)),
+            Some(v) => v
+                .to_str()
+                .map(|t| Tenant(Some(t.to_string())))
+                .map_err(|_| ApiError::bad_request("x-tenant-id must be visible ASCII")),
+        }
     }
 }
 
 pub async fn select(
     State(state): Shared,
-    headers: HeaderMap,
+    Tenant(tenant): Tenant,
     StrictJson(body): StrictJson<SelectBody>,
 ) -> AppResult {
     state.applier.passed().await;
-    let tenant = tenant(&headers)?;
-    ok(api::admit(&state, QueuedRoute::Select, body, tenant)
-        .answer()
-        .await?)
+    ok(
+        api::admit(&state, QueuedRoute::Select, body, tenant.as_deref())
+            .answer()
+            .await?,
+    )
 }
 
 pub async fn select_and_reserve(
     State(state): Shared,
-    headers: HeaderMap,
+    Tenant(tenant): Tenant,
     StrictJson(body): StrictJson<SelectBody>,
 ) -> AppResult {
     state.applier.passed().await;
-    let tenant = tenant(&headers)?;
-    ok(
-        api::admit(&state, QueuedRoute::SelectAndReserve, body, tenant)
-            .answer()
-            .await?,
-    )
+    let admission = api::admit(
+        &state,
+        QueuedRoute::SelectAndReserve,
+        body,
+        tenant.as_deref(),
+    );
+    ok(admission.answer().await?)
 }
 
 pub async fn create_reservation(
