@@ -4,7 +4,8 @@ use kvroute_service::{AppState, ServeConfig, http};
 use std::net::SocketAddr;
 use std::process::ExitCode;
 
-async fn shutdown_signal() {
+/// SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
     let ctrl_c = async {
         if tokio::signal::ctrl_c().await.is_err() {
             std::future::pending::<()>().await;
