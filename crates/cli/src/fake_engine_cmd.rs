@@ -12,6 +12,11 @@
 //! ```
 //! `--prompts N --prompt-tokens T` instead publishes one `stored` batch per synthetic prompt,
 //! prompts sharing prefixes by group. Publishing is bounded by `--max-batches` and `--duration`.
+//!
+//! `--openai --port P` is a whole mock engine instead ([`openai`]): vLLM's OpenAI routes over
+//! the simulator's engine model, publishing its own KV events on `--bind`.
+
+mod openai;
 
 use clap::{Args, ValueEnum};
 use kvroute_testkit::fake_engine::{
@@ -47,7 +52,11 @@ pub struct FakeEngineArgs {
     #[arg(long, default_value_t = 16)]
     pub block_size: u32,
     /// JSONL file of events to publish, one batch per line (`-` reads stdin).
-    #[arg(long, required_unless_present = "prompts", conflicts_with = "prompts")]
+    #[arg(
+        long,
+        required_unless_present_any = ["prompts", "openai"],
+        conflicts_with = "prompts"
+    )]
     pub events: Option<PathBuf>,
     /// Number of synthetic prompts to publish as stored blocks.
     #[arg(long, requires = "prompt_tokens")]
@@ -79,6 +88,8 @@ pub struct FakeEngineArgs {
     /// Keep serving replays this many seconds after the last batch.
     #[arg(long, default_value_t = 1.0)]
     pub linger_secs: f64,
+    #[command(flatten)]
+    pub openai: openai::OpenAiArgs,
 }
 
 /// Prompts longer than this are refused (a demo tool should not allocate without bound).
@@ -203,6 +214,9 @@ impl Source {
 }
 
 pub fn run(args: &FakeEngineArgs) -> ExitCode {
+    if args.openai.openai {
+        return openai::run(args);
+    }
     let plan = match validate(args) {
         Ok(plan) => plan,
         Err(message) => {

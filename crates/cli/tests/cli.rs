@@ -380,3 +380,79 @@ fn the_readme_configuration_table_matches_serve_help() {
         assert!(knobs.contains_key(flag), "{flag}");
     }
 }
+
+/// `kvroute fake-engine --openai` serves one completion over HTTP, then stops on SIGTERM.
+#[test]
+fn fake_engine_openai_serves_a_completion_and_stops_on_sigterm() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    use std::time::{Duration, Instant};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["fake-engine", "--openai", "--port", "0"])
+        .args(["--bind", "tcp://127.0.0.1:0", "--time-scale", "0.01"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("runs");
+    let stdout = child.stdout.take().expect("stdout");
+    let (lines_tx, lines) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if lines_tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let banner = lines
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the engine says where it listens");
+    assert!(banner.contains("(OpenAI routes)"), "{banner}");
+    assert!(banner.contains("KV events on tcp://127.0.0.1:"), "{banner}");
+    let addr = banner
+        .split_whitespace()
+        .find_map(|word| word.strip_prefix("http://"))
+        .expect("an http address");
+
+    let body = r#"{"model": "default", "prompt": "Hello, engine.", "max_tokens": 4}"#;
+    let mut stream = std::net::TcpStream::connect(addr).expect("connects");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("timeout");
+    write!(
+        stream,
+        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("sends");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("reads");
+    assert!(response.starts_with("HTTP/1.1 200 OK"), "{response}");
+    let json = &response[response.find("\r\n\r\n").expect("a body") + 4..];
+    let answer: serde_json::Value = serde_json::from_str(json).expect("JSON");
+    assert_eq!(answer["object"], "text_completion");
+    assert_eq!(answer["choices"][0]["finish_reason"], "length");
+    assert_eq!(answer["usage"]["prompt_tokens"], 14);
+    assert_eq!(answer["usage"]["completion_tokens"], 4);
+
+    let terminated = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(terminated.success());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("waits") {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("still running 20 s after SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status}");
+    assert_eq!(
+        lines.recv_timeout(Duration::from_secs(5)).as_deref(),
+        Ok("kvroute fake-engine stopped")
+    );
+}

@@ -22,7 +22,14 @@
 //!    finishes and releases its blocks.
 //!
 //! Output tokens are unique per request, so the blocks holding them get hashes of their own
-//! (chained after the prompt's) and can only be hit by the same request after a preemption.
+//! (chained after the prompt's) and can only be hit by the same request after a preemption —
+//! unless the caller knows the output in advance: a request's `prompt` hashes may run past its
+//! `isl_tokens` into the output (the mock OpenAI engine's, which decides its output tokens when
+//! the request comes), and the output blocks they cover take those hashes.
+//!
+//! The engine finds a request by its id in a [`RequestSource`]: the workload's slice in the
+//! simulator, a map of the requests in flight in a real-time loop. [`Engine::abort`] drops a
+//! request between steps (a client that went away).
 
 use crate::pool::{BlockPool, PoolCounters};
 use crate::timing::{Nanos, TimingModel};
@@ -31,6 +38,32 @@ use crate::{RequestId, SimError};
 use kvroute_core::event::{KvEvent, StoredBlock};
 use kvroute_core::hash::{BASE_SEED, block_hash, chain};
 use std::collections::VecDeque;
+
+/// Where the engine looks up a request by its id: each request it runs must stay there until it
+/// finishes or is aborted.
+pub trait RequestSource {
+    fn request(&self, id: RequestId) -> Option<&SimRequest>;
+}
+
+/// A workload: ids are indexes.
+impl RequestSource for [SimRequest] {
+    fn request(&self, id: RequestId) -> Option<&SimRequest> {
+        self.get(id as usize)
+    }
+}
+
+impl RequestSource for Vec<SimRequest> {
+    fn request(&self, id: RequestId) -> Option<&SimRequest> {
+        self.as_slice().request(id)
+    }
+}
+
+/// The requests in flight of a real-time loop, by id.
+impl<S: std::hash::BuildHasher> RequestSource for hashbrown::HashMap<RequestId, SimRequest, S> {
+    fn request(&self, id: RequestId) -> Option<&SimRequest> {
+        self.get(&id)
+    }
+}
 
 /// Engine parameters (vLLM's names where vLLM has them).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -137,6 +170,9 @@ pub struct StepReport {
     pub first_admissions: Vec<(RequestId, u64)>,
     /// Requests that produced their first output token.
     pub first_tokens: Vec<RequestId>,
+    /// Requests that sampled a token at the end of the step (first, decode or last), in
+    /// admission order: each one's output grew by exactly one token.
+    pub sampled: Vec<RequestId>,
     /// Requests that started a new output block.
     pub output_blocks: Vec<RequestId>,
     /// Requests that produced their last token and left the engine.
@@ -296,9 +332,35 @@ impl Engine {
         self.waiting.push_front(seq);
     }
 
+    /// Drops request `id` (its client went away): out of the waiting queue, or out of the
+    /// running batch with its blocks released as a finished request's are. Between steps only
+    /// (an error during one). Returns whether the engine had it.
+    pub fn abort(&mut self, id: RequestId) -> Result<bool, SimError> {
+        if self.in_step {
+            return Err(SimError::Internal(
+                "a request cannot be aborted while a step is in flight".into(),
+            ));
+        }
+        let seq = if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+            self.waiting.remove(i)
+        } else if let Some(i) = self.running.iter().position(|s| s.id == id) {
+            Some(self.running.remove(i))
+        } else {
+            None
+        };
+        let Some(seq) = seq else {
+            return Ok(false);
+        };
+        self.pool.release(&seq.table_cached, seq.table_private);
+        Ok(true)
+    }
+
     /// Schedules a step and returns how long it lasts, or `None` when there is nothing to run.
-    /// `requests` is the workload the ids index into.
-    pub fn start_step(&mut self, requests: &[SimRequest]) -> Result<Option<Nanos>, SimError> {
+    /// `requests` holds the requests the ids name.
+    pub fn start_step<R: RequestSource + ?Sized>(
+        &mut self,
+        requests: &R,
+    ) -> Result<Option<Nanos>, SimError> {
         if self.in_step {
             return Err(SimError::Internal("a step is already in flight".into()));
         }
@@ -463,6 +525,7 @@ impl Engine {
                 continue; // a prefill chunk that did not reach the end of the prompt
             }
             seq.output_done += 1;
+            report.sampled.push(seq.id);
             if seq.output_done == 1 {
                 report.first_tokens.push(seq.id);
             }
@@ -492,9 +555,12 @@ impl Engine {
     }
 }
 
-fn request_of(requests: &[SimRequest], id: RequestId) -> Result<&SimRequest, SimError> {
+fn request_of<R: RequestSource + ?Sized>(
+    requests: &R,
+    id: RequestId,
+) -> Result<&SimRequest, SimError> {
     requests
-        .get(id as usize)
+        .request(id)
         .ok_or_else(|| SimError::Internal(format!("unknown request id {id}")))
 }
 
@@ -685,6 +751,87 @@ mod tests {
         assert_eq!(decode, TimingModel::default().step_nanos(0, true, 0.26));
         engine.finish_step();
         assert_eq!(engine.counters().busy_nanos, prefill + decode);
+    }
+
+    #[test]
+    fn every_sampled_token_is_reported_once() {
+        let requests = vec![request(&(0..9).collect::<Vec<u32>>(), 3), request(&[50], 1)];
+        let mut engine = Engine::new(config(None, 1024));
+        engine.submit(0, &requests[0]);
+        engine.submit(1, &requests[1]);
+        let reports = drain(&mut engine, &requests);
+        let sampled: Vec<Vec<RequestId>> = reports.iter().map(|r| r.sampled.clone()).collect();
+        assert_eq!(sampled, vec![vec![0, 1], vec![0], vec![0]]);
+    }
+
+    #[test]
+    fn a_map_of_requests_in_flight_serves_as_the_source() {
+        let mut requests = hashbrown::HashMap::new();
+        requests.insert(7, request(&(0..8).collect::<Vec<u32>>(), 2));
+        let mut engine = Engine::new(config(None, 1024));
+        engine.submit(7, &requests[&7]);
+        let mut finished = Vec::new();
+        for _ in 0..10 {
+            if engine.start_step(&requests).unwrap().is_none() {
+                break;
+            }
+            finished.extend(engine.finish_step().finished);
+        }
+        assert_eq!(finished, vec![7]);
+        // An id the source does not know is an internal error, not a panic.
+        engine.submit(8, &requests[&7]);
+        assert!(engine.start_step(&requests).is_err());
+    }
+
+    #[test]
+    fn an_aborted_request_leaves_and_releases_its_blocks() {
+        let requests: Vec<SimRequest> = (0..2)
+            .map(|i| request(&((i * 100)..(i * 100 + 8)).collect::<Vec<u32>>(), 5))
+            .collect();
+        let mut engine = Engine::new(config(Some(16), 1024));
+        engine.submit(0, &requests[0]);
+        engine.submit(1, &requests[1]);
+        assert!(engine.start_step(&requests).unwrap().is_some());
+        assert!(engine.abort(0).is_err(), "not during a step");
+        engine.finish_step();
+        assert!(engine.pool().in_use() > 0);
+        assert!(engine.abort(0).unwrap());
+        assert!(!engine.abort(0).unwrap(), "already gone");
+        let reports = drain(&mut engine, &requests);
+        let finished: Vec<RequestId> = reports.iter().flat_map(|r| r.finished.clone()).collect();
+        assert_eq!(finished, vec![1]);
+        assert_eq!(engine.pool().in_use(), 0);
+        // Its prompt blocks stay cached, as a finished request's do.
+        assert!(engine.pool().is_cached(requests[0].prompt.sequence[0]));
+        engine.pool().check_invariants().unwrap();
+        // A waiting request can be aborted too.
+        engine.submit(0, &requests[0]);
+        assert!(engine.abort(0).unwrap());
+        assert!(!engine.has_work());
+    }
+
+    #[test]
+    fn output_blocks_take_the_hashes_given_past_the_prompt() {
+        // 6 prompt tokens and 7 output tokens known in advance: 12 tokens are computed (the
+        // last one is sampled, never computed), so 3 blocks of 4 fill, 2 of them holding output.
+        let all: Vec<u32> = (0..13).collect();
+        let mut known = request(&all, 7);
+        known.prompt.isl_tokens = 6;
+        let requests = vec![known.clone()];
+        let mut engine = Engine::new(config(None, 1024));
+        engine.submit(0, &requests[0]);
+        let reports = drain(&mut engine, &requests);
+        let stored: Vec<u64> = reports
+            .iter()
+            .flat_map(|r| r.events.iter())
+            .flat_map(|e| match e {
+                KvEvent::Stored { blocks, .. } => blocks.iter().map(|b| b.engine_hash).collect(),
+                _ => Vec::new(),
+            })
+            .collect();
+        assert_eq!(stored, known.prompt.sequence[..3]);
+        let sampled: usize = reports.iter().map(|r| r.sampled.len()).sum();
+        assert_eq!(sampled, 7);
     }
 
     #[test]

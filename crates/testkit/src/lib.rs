@@ -10,6 +10,8 @@
 //!   sockets), with faults to inject, and the JSONL scripts of `kvroute fake-engine`.
 //! - [`fleet`]: one fake engine per worker, each with a bounded KV pool that stores and evicts
 //!   like a real one (`kvroute loadgen --events-base-port`).
+//! - [`openai_engine`]: a mock OpenAI-compatible engine (vLLM's routes) running the simulator's
+//!   engine model in real time and publishing its KV events (`kvroute fake-engine --openai`).
 //! - [`client`]: a minimal keep-alive HTTP/1.1 client (the load generator, real-socket tests).
 //! - [`trace`]: prompts expanded from a Mooncake trace's hash ids (`kvroute loadgen --trace`).
 //!
@@ -20,4 +22,5 @@
 pub mod client;
 pub mod fake_engine;
 pub mod fleet;
+pub mod openai_engine;
 pub mod trace;
