@@ -144,6 +144,11 @@ impl Body for ProxyBody {
                 if let Some(data) = frame.data_ref() {
                     this.observe(data);
                 }
+                // A body of known length is over with its last byte: the server may not ask
+                // again.
+                if this.upstream.is_end_stream() {
+                    this.finish("complete");
+                }
                 return Poll::Ready(Some(Ok(frame)));
             }
             Poll::Ready(Some(Err(e))) => {

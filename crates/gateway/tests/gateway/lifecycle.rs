@@ -141,6 +141,13 @@ async fn a_whole_response_passes_through_and_frees_its_booking() {
     assert_eq!(count(&bytes, "\"content\":\"t"), 2);
     assert!(bytes.ends_with(b"data: [DONE]\n\n"));
     gw.assert_no_booking_left().await;
+    // Each ended as a whole response, none as a client gone.
+    let metrics = gw.metrics_text();
+    assert!(
+        metrics.contains("kvroute_gateway_responses_total{end=\"complete\"} 3"),
+        "{metrics}"
+    );
+    assert!(!metrics.contains("client_gone"), "{metrics}");
 }
 
 #[tokio::test]
