@@ -23,7 +23,7 @@ fn completion_stream(tokens: usize) -> Vec<Vec<u8>> {
 
 fn scan(c: &mut Criterion) {
     let mut group = c.benchmark_group("sse_scan");
-    for tokens in [256usize] {
+    for tokens in [16usize, 256] {
         let chunks = completion_stream(tokens);
         group.throughput(Throughput::Elements(tokens as u64));
         group.bench_function(format!("completion_{tokens}_chunks_one_per_frame"), |b| {
