@@ -1,7 +1,9 @@
-//! The `kvroute` binary: `serve` (the HTTP selection service), `sim` (the fleet simulator), `hash`.
+//! The `kvroute` binary: `serve` (the HTTP selection service), `gateway` (the same with an
+//! OpenAI-compatible front for the workers), `sim` (the fleet simulator), `hash`.
 #![forbid(unsafe_code)]
 
 mod fake_engine_cmd;
+mod gateway_cmd;
 mod hash_cmd;
 mod loadgen;
 mod serve_cmd;
@@ -32,6 +34,9 @@ enum Command {
     Hash(hash_cmd::HashArgs),
     /// Run the HTTP selection service (Dynamo-compatible API) on 127.0.0.1:8000 by default.
     Serve(kvroute_service::ServeConfig),
+    /// Run the selection service with an OpenAI-compatible front for vLLM/SGLang workers
+    /// (/v1/completions, /v1/chat/completions) that books, tracks and frees each request.
+    Gateway(gateway_cmd::GatewayCmdArgs),
     /// Drive a selection service (kvroute or Dynamo's) in a closed loop and report latency.
     Loadgen(loadgen::LoadgenArgs),
     /// Publish KV events like a vLLM engine (ZMQ PUB on 127.0.0.1:5557 by default), for demos.
@@ -58,6 +63,10 @@ fn main() -> ExitCode {
         Command::Serve(config) => {
             init_logging();
             serve_cmd::run(config)
+        }
+        Command::Gateway(args) => {
+            init_logging();
+            gateway_cmd::run(args)
         }
         Command::FakeEngine(args) => {
             init_logging();

@@ -4,6 +4,7 @@ use kvroute_service::{AppState, ServeConfig, http};
 use std::net::SocketAddr;
 use std::process::ExitCode;
 
+/// SIGINT or SIGTERM.
 pub(crate) async fn shutdown_signal() {
     let ctrl_c = async {
         if tokio::signal::ctrl_c().await.is_err() {

@@ -456,3 +456,124 @@ fn fake_engine_openai_serves_a_completion_and_stops_on_sigterm() {
         Ok("kvroute fake-engine stopped")
     );
 }
+
+#[test]
+fn gateway_refuses_an_invalid_flag_naming_it() {
+    let (code, _, err) = kvroute(&["gateway", "--port", "0", "--worker", "ftp://x"], "");
+    assert_eq!(code, 2);
+    assert!(err.contains("--worker ftp://x"), "{err}");
+    let (code, _, err) = kvroute(&["gateway", "--port", "0", "--router-temperature=-1"], "");
+    assert_eq!(code, 2, "every serve flag is checked as serve checks it");
+    assert!(err.contains("--router-temperature"), "{err}");
+}
+
+/// A child's stdout lines, read on a thread.
+fn stdout_lines(child: &mut std::process::Child) -> std::sync::mpsc::Receiver<String> {
+    use std::io::BufRead;
+    let stdout = child.stdout.take().expect("stdout");
+    let (lines_tx, lines) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if lines_tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    lines
+}
+
+/// Kills a child when dropped, so a failed assertion leaves no process behind.
+struct Running(std::process::Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn gateway_serves_a_completion_from_a_mock_engine() {
+    use std::io::{Read, Write};
+    use std::time::Duration;
+    let mut engine = Running(
+        Command::new(env!("CARGO_BIN_EXE_kvroute"))
+            .args(["fake-engine", "--openai", "--port", "0"])
+            .args(["--bind", "tcp://127.0.0.1:0", "--time-scale", "0.01"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("runs"),
+    );
+    let banner = stdout_lines(&mut engine.0)
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the engine says where it listens");
+    let url = banner
+        .split_whitespace()
+        .find(|w| w.starts_with("http://"))
+        .expect("an http address");
+    let events = banner
+        .split_whitespace()
+        .find(|w| w.starts_with("tcp://"))
+        .expect("an events address");
+    let worker = format!("{url}={events}");
+    let mut gateway = Running(
+        Command::new(env!("CARGO_BIN_EXE_kvroute"))
+            .args([
+                "gateway",
+                "--port",
+                "0",
+                "--tokenize",
+                "remote",
+                "--worker",
+                &worker,
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("runs"),
+    );
+    let banner = stdout_lines(&mut gateway.0)
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the gateway says where it listens");
+    let addr = banner
+        .strip_prefix("kvroute gateway listening on http://")
+        .expect("the banner")
+        .to_string();
+    let body = r#"{"model": "default", "prompt": "Hello, gateway.", "max_tokens": 4}"#;
+    let mut stream = std::net::TcpStream::connect(&addr).expect("connects");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("timeout");
+    write!(
+        stream,
+        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("sends");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("reads");
+    assert!(response.starts_with("HTTP/1.1 200 OK"), "{response}");
+    assert!(response.contains("x-kvroute-worker-id: "), "{response}");
+    let json = &response[response.find("\r\n\r\n").expect("a body") + 4..];
+    let answer: serde_json::Value = serde_json::from_str(json).expect("JSON");
+    assert_eq!(answer["usage"]["prompt_tokens"], 15);
+    assert_eq!(answer["usage"]["completion_tokens"], 4);
+    let terminated = Command::new("kill")
+        .args(["-TERM", &gateway.0.id().to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(terminated.success());
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while gateway.0.try_wait().expect("waits").is_none() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "still running after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

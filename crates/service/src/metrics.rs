@@ -15,7 +15,7 @@ use kvroute_core::pending::PendingCounters;
 use kvroute_core::selector::{PredictionCounters, Selection, Selector, SessionCounters};
 use parking_lot::Mutex;
 use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::text::{encode_eof, encode_registry};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -152,6 +152,9 @@ pub struct Metrics {
     pub sync: SyncMetrics,
     /// The admission queue (`kvroute_queue_*`).
     pub queue: QueueMetrics,
+    /// Registries of other crates serving on the service's port (the gateway's), rendered after
+    /// the service's own ([`Metrics::attach`]).
+    attached: Mutex<Vec<Registry>>,
 }
 
 impl Default for Metrics {
@@ -364,6 +367,7 @@ impl Metrics {
             session_seen: Mutex::new(SessionCounters::default()),
             registry,
             sync,
+            attached: Mutex::new(Vec::new()),
             http_requests,
             connections,
             http_duration,
@@ -628,7 +632,17 @@ impl Metrics {
         }
         let mut out = String::new();
         // Writing into a String cannot fail.
-        let _ = encode(&mut out, &self.registry);
+        let _ = encode_registry(&mut out, &self.registry);
+        for registry in self.attached.lock().iter() {
+            let _ = encode_registry(&mut out, registry);
+        }
+        let _ = encode_eof(&mut out);
         out
+    }
+
+    /// Adds another crate's metrics to `GET /metrics` (their names should carry a prefix of
+    /// their own, such as `kvroute_gateway`).
+    pub fn attach(&self, registry: Registry) {
+        self.attached.lock().push(registry);
     }
 }

@@ -384,7 +384,8 @@ macro_rules! prompt_accessors {
     };
 }
 
-#[derive(Debug, Clone, Deserialize)]
+/// `Default` is for callers in process (the gateway) that name only the fields they set.
+#[derive(Debug, Clone, Default, Deserialize)]
 pub struct SelectBody {
     #[serde(default = "default_name")]
     pub model_name: String,

@@ -62,7 +62,9 @@ fn is_json_content_type(req: &Request) -> bool {
         || (essence.starts_with("application/") && essence.ends_with("+json"))
 }
 
-async fn body_bytes<S: Send + Sync>(req: Request, state: &S) -> Result<Bytes, ApiError>
+/// A request's whole body, within the body limit (413) and `--body-read-timeout-ms` (408), as
+/// the extractors read it; public for routes that parse their bodies themselves (the gateway's).
+pub async fn body_bytes<S: Send + Sync>(req: Request, state: &S) -> Result<Bytes, ApiError>
 where
     BodyReadTimeout: FromRef<S>,
 {

@@ -168,11 +168,34 @@ pub const ENDPOINTS: &[Endpoint] = &[
     Endpoint::new(Method::GET, route::DASHBOARD, |m| on(m, dashboard)),
 ];
 
-/// The metrics label of a request's route: its template, or `unmatched`.
-fn route_label(matched: Option<&MatchedPath>) -> &'static str {
-    matched
-        .and_then(|path| ENDPOINTS.iter().find(|e| e.path == path.as_str()))
-        .map_or("unmatched", |e| e.path)
+/// The metrics label of a request's route: its template (one of [`ENDPOINTS`] or of the extra
+/// routes' `paths`), or `unmatched`.
+fn route_label(matched: Option<&MatchedPath>, extra_paths: &[&'static str]) -> &'static str {
+    let Some(path) = matched.map(MatchedPath::as_str) else {
+        return "unmatched";
+    };
+    ENDPOINTS
+        .iter()
+        .map(|e| e.path)
+        .chain(extra_paths.iter().copied())
+        .find(|p| *p == path)
+        .unwrap_or("unmatched")
+}
+
+/// Routes another crate serves on the service's port, behind the same guard (shutdown, API key,
+/// metrics) and body limit as the service's own: `kvroute gateway`'s OpenAI routes. `paths`
+/// are the router's path templates, the metrics' route labels.
+#[derive(Clone, Default)]
+pub struct ExtraRoutes {
+    pub router: Router<Arc<AppState>>,
+    pub paths: &'static [&'static str],
+}
+
+/// What the guard middleware reads: the state, and the extra routes' labels.
+#[derive(Clone)]
+struct GuardState {
+    state: Arc<AppState>,
+    extra_paths: &'static [&'static str],
 }
 
 fn method_label(method: &Method) -> &'static str {
@@ -188,9 +211,10 @@ fn method_label(method: &Method) -> &'static str {
     }
 }
 
-async fn guard(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+async fn guard(State(guard): State<GuardState>, req: Request, next: Next) -> Response {
+    let GuardState { state, extra_paths } = guard;
     let start = Instant::now();
-    let route = route_label(req.extensions().get::<MatchedPath>());
+    let route = route_label(req.extensions().get::<MatchedPath>(), extra_paths);
     let method = method_label(req.method());
     let open = is_open_route(req.uri().path());
     let response = if !open && state.is_shutting_down() {
@@ -241,16 +265,26 @@ async fn method_not_allowed() -> Response {
 
 /// The whole service as a router.
 pub fn app(state: Arc<AppState>) -> Router {
+    app_with(state, ExtraRoutes::default())
+}
+
+/// The whole service as a router, with `extra` routes beside the service's own.
+pub fn app_with(state: Arc<AppState>, extra: ExtraRoutes) -> Router {
     let body_limit = state.config.body_limit_bytes;
+    let guard_state = GuardState {
+        state: Arc::clone(&state),
+        extra_paths: extra.paths,
+    };
     // Methods of one path merge into one route.
     ENDPOINTS
         .iter()
         .fold(Router::new(), |router, e| {
             router.route(e.path, e.method_router())
         })
+        .merge(extra.router)
         .fallback(route_not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(middleware::from_fn_with_state(Arc::clone(&state), guard))
+        .layer(middleware::from_fn_with_state(guard_state, guard))
         .layer(DefaultBodyLimit::max(body_limit))
         .with_state(state)
 }
@@ -269,6 +303,16 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    serve_with(state, listener, ExtraRoutes::default(), shutdown).await
+}
+
+/// [`serve`] with `extra` routes beside the service's own ([`app_with`]).
+pub async fn serve_with(
+    state: Arc<AppState>,
+    listener: tokio::net::TcpListener,
+    extra: ExtraRoutes,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
     let limits = state
         .config
         .connection_limits()
@@ -279,7 +323,7 @@ pub async fn serve(
     let drain_state = Arc::clone(&state);
     let listener =
         connections::GuardedListener::new(listener, limits, state.metrics.connections.clone());
-    connections::serve(listener, app(state), async move {
+    connections::serve(listener, app_with(state, extra), async move {
         shutdown.await;
         tracing::info!("shutting down: refusing new work, finishing in-flight requests");
         drain_state.begin_shutdown();

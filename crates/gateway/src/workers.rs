@@ -1,0 +1,295 @@
+//! Workers from flags and from the workers file, registered in the selector's catalog like a
+//! `POST /workers` (which also works on the gateway's port: the catalog's `endpoint` is the
+//! URL the gateway sends a worker's requests to).
+//!
+//! A worker's id is given in the file or derived from its URL (53 bits of its xxh3, so that
+//! JavaScript clients read it exactly), so the same worker keeps its id across reloads and
+//! restarts, and a re-registration keeps its bookings.
+//!
+//! The workers file:
+//!
+//! ```toml
+//! # Defaults for the workers below (else --model, --block-size, --max-num-batched-tokens).
+//! model = "llama"
+//! block_size = 16
+//! max_num_batched_tokens = 8192      # optional: the engines' prefill budget per step
+//!
+//! [[workers]]
+//! url = "http://10.0.0.1:8000"
+//! kv_events = "tcp://10.0.0.1:5557"   # optional: the engine's KV-event publisher
+//!
+//! [[workers]]
+//! url = "http://10.0.0.2:8000"
+//! model = "qwen"                       # optional, per worker
+//! worker_id = 7                        # optional
+//! ```
+
+use kvroute_service::types::WorkerBody;
+use kvroute_service::{AppState, api};
+use serde::Deserialize;
+use std::collections::BTreeMap;
+
+/// One worker to register.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerEntry {
+    pub worker_id: u64,
+    pub url: String,
+    pub kv_events: Option<String>,
+    pub model: String,
+    pub block_size: u32,
+    /// The engine's `--max-num-batched-tokens` (the admission queue's capacity; required with
+    /// `--queue-threshold`).
+    pub max_num_batched_tokens: Option<u64>,
+}
+
+impl WorkerEntry {
+    pub fn body(&self) -> WorkerBody {
+        WorkerBody {
+            worker_id: Some(self.worker_id),
+            model_name: Some(self.model.clone()),
+            endpoint: Some(self.url.clone()),
+            block_size: Some(self.block_size),
+            kv_events_endpoint: self.kv_events.clone(),
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            ..WorkerBody::default()
+        }
+    }
+}
+
+/// A worker id from its URL: stable, and at most 2^53 − 1.
+pub fn worker_id_for(url: &str) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(url.as_bytes()) & ((1 << 53) - 1)
+}
+
+/// A worker's base URL: `http://host[:port][/prefix]`, without a trailing `/`.
+pub fn check_url(url: &str) -> Result<String, String> {
+    let trimmed = url.trim_end_matches('/');
+    let Some(rest) = trimmed.strip_prefix("http://") else {
+        return Err(format!(
+            "a worker URL must start with http:// (got `{url}`)"
+        ));
+    };
+    if rest.is_empty() || rest.starts_with('/') {
+        return Err(format!("a worker URL needs a host (got `{url}`)"));
+    }
+    trimmed
+        .parse::<axum::http::Uri>()
+        .map_err(|e| format!("invalid worker URL `{url}`: {e}"))?;
+    Ok(trimmed.to_string())
+}
+
+fn check_events(endpoint: &str) -> Result<String, String> {
+    if endpoint.starts_with("tcp://") && endpoint.len() > "tcp://".len() {
+        Ok(endpoint.to_string())
+    } else {
+        Err(format!(
+            "a KV-event endpoint must be tcp://HOST:PORT (got `{endpoint}`)"
+        ))
+    }
+}
+
+/// `--worker URL` or `--worker URL=tcp://HOST:PORT`.
+pub fn parse_worker_flag(raw: &str, model: &str, block_size: u32) -> Result<WorkerEntry, String> {
+    let (url, kv_events) = match raw.split_once("=tcp://") {
+        Some((url, rest)) => (url, Some(check_events(&format!("tcp://{rest}"))?)),
+        None => (raw, None),
+    };
+    let url = check_url(url)?;
+    Ok(WorkerEntry {
+        worker_id: worker_id_for(&url),
+        url,
+        kv_events,
+        model: model.to_string(),
+        block_size,
+        max_num_batched_tokens: None,
+    })
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct WorkersFile {
+    model: Option<String>,
+    block_size: Option<u32>,
+    max_num_batched_tokens: Option<u64>,
+    #[serde(default)]
+    workers: Vec<FileWorker>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileWorker {
+    url: String,
+    kv_events: Option<String>,
+    model: Option<String>,
+    block_size: Option<u32>,
+    max_num_batched_tokens: Option<u64>,
+    worker_id: Option<u64>,
+}
+
+/// Parses a workers file; `model`, `block_size` and `max_num_batched_tokens` default to the
+/// flags'.
+pub fn parse_workers_file(
+    text: &str,
+    default_model: &str,
+    default_block_size: u32,
+    default_max_num_batched_tokens: Option<u64>,
+) -> Result<Vec<WorkerEntry>, String> {
+    let file: WorkersFile = toml::from_str(text).map_err(|e| e.to_string())?;
+    let max_num_batched_tokens = file
+        .max_num_batched_tokens
+        .or(default_max_num_batched_tokens);
+    let model = file.model.unwrap_or_else(|| default_model.to_string());
+    let block_size = file.block_size.unwrap_or(default_block_size);
+    let mut seen = BTreeMap::new();
+    file.workers
+        .into_iter()
+        .enumerate()
+        .map(|(i, w)| {
+            let at = |e: String| format!("workers[{i}]: {e}");
+            let url = check_url(&w.url).map_err(at)?;
+            let kv_events = w
+                .kv_events
+                .as_deref()
+                .map(check_events)
+                .transpose()
+                .map_err(at)?;
+            let entry = WorkerEntry {
+                worker_id: w.worker_id.unwrap_or_else(|| worker_id_for(&url)),
+                url,
+                kv_events,
+                model: w.model.unwrap_or_else(|| model.clone()),
+                block_size: w.block_size.unwrap_or(block_size),
+                max_num_batched_tokens: w.max_num_batched_tokens.or(max_num_batched_tokens),
+            };
+            if entry.block_size == 0 {
+                return Err(at("block_size must be at least 1".to_string()));
+            }
+            if let Some(other) = seen.insert(entry.worker_id, i) {
+                return Err(at(format!(
+                    "worker_id {} is also workers[{other}]'s",
+                    entry.worker_id
+                )));
+            }
+            Ok(entry)
+        })
+        .collect()
+}
+
+/// Registers (or re-registers) workers in the catalog.
+pub fn register(state: &AppState, workers: &[WorkerEntry]) -> Result<(), String> {
+    for worker in workers {
+        api::upsert_worker(state, worker.body())
+            .map_err(|e| format!("worker {}: {}", worker.url, e.message))?;
+    }
+    Ok(())
+}
+
+/// The workers file as last applied: what a reload compares against.
+#[derive(Debug, Default)]
+pub struct FileWorkers {
+    text: Option<String>,
+    applied: BTreeMap<u64, WorkerEntry>,
+}
+
+/// What a reload did.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct ReloadOutcome {
+    pub upserted: usize,
+    pub deleted: Vec<u64>,
+}
+
+impl FileWorkers {
+    /// Applies the file's text when it changed: upserts the workers that are new or changed,
+    /// deletes those it no longer lists (only ones it had added). On a parse error nothing
+    /// changes and the error is returned (once per distinct text).
+    pub fn apply(
+        &mut self,
+        state: &AppState,
+        text: &str,
+        default_model: &str,
+        default_block_size: u32,
+        default_max_num_batched_tokens: Option<u64>,
+    ) -> Result<Option<ReloadOutcome>, String> {
+        if self.text.as_deref() == Some(text) {
+            return Ok(None);
+        }
+        self.text = Some(text.to_string());
+        let wanted = parse_workers_file(
+            text,
+            default_model,
+            default_block_size,
+            default_max_num_batched_tokens,
+        )?;
+        let mut outcome = ReloadOutcome::default();
+        let mut next = BTreeMap::new();
+        for worker in wanted {
+            if self.applied.get(&worker.worker_id) != Some(&worker) {
+                register(state, std::slice::from_ref(&worker))?;
+                outcome.upserted += 1;
+            }
+            next.insert(worker.worker_id, worker);
+        }
+        for (&id, _) in self.applied.iter().filter(|(id, _)| !next.contains_key(id)) {
+            if let Err(e) = api::delete_worker(state, id) {
+                tracing::debug!(worker_id = id, error = %e.message, "worker already gone");
+            }
+            outcome.deleted.push(id);
+        }
+        self.applied = next;
+        Ok(Some(outcome))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_name_a_url_and_maybe_an_event_endpoint() {
+        let w = parse_worker_flag("http://127.0.0.1:8001/", "m", 16).unwrap();
+        assert_eq!(w.url, "http://127.0.0.1:8001");
+        assert_eq!(w.worker_id, worker_id_for("http://127.0.0.1:8001"));
+        assert!(w.worker_id < 1 << 53);
+        let w = parse_worker_flag("http://h:1=tcp://h:5557", "m", 16).unwrap();
+        assert_eq!(w.kv_events.as_deref(), Some("tcp://h:5557"));
+        assert!(parse_worker_flag("https://h", "m", 16).is_err());
+        assert!(parse_worker_flag("http://", "m", 16).is_err());
+        assert!(parse_worker_flag("http://h:1=tcp://", "m", 16).is_err());
+    }
+
+    #[test]
+    fn the_file_gives_defaults_and_refuses_mistakes() {
+        let text = r#"
+            model = "llama"
+            [[workers]]
+            url = "http://a:1"
+            kv_events = "tcp://a:5557"
+            [[workers]]
+            url = "http://b:1"
+            model = "qwen"
+            block_size = 32
+            worker_id = 7
+        "#;
+        let workers = parse_workers_file(text, "default", 16, None).unwrap();
+        assert_eq!(workers[0].model, "llama");
+        assert_eq!(workers[0].block_size, 16);
+        assert_eq!(workers[1].worker_id, 7);
+        assert_eq!(
+            (workers[1].model.as_str(), workers[1].block_size),
+            ("qwen", 32)
+        );
+        assert!(parse_workers_file("[[workers]]\nurl = 3", "m", 1, None).is_err());
+        assert!(
+            parse_workers_file("[[workers]]\nurl = \"http://a\"\nport = 1", "m", 1, None)
+                .unwrap_err()
+                .contains("port")
+        );
+        let twice = "[[workers]]\nurl = \"http://a\"\n[[workers]]\nurl = \"http://a/\"";
+        assert!(
+            parse_workers_file(twice, "m", 1, None)
+                .unwrap_err()
+                .contains("workers[1]")
+        );
+        assert!(parse_workers_file("", "m", 1, None).unwrap().is_empty());
+    }
+}
