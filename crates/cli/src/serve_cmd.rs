@@ -1,8 +1,10 @@
 //! `kvroute serve`: the HTTP selection service.
 
+use kvroute_service::http::ExtraRoutes;
 use kvroute_service::{AppState, ServeConfig, http};
 use std::net::SocketAddr;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 /// SIGINT or SIGTERM.
 pub(crate) async fn shutdown_signal() {
@@ -28,16 +30,27 @@ pub(crate) async fn shutdown_signal() {
     }
 }
 
-pub fn run(mut config: ServeConfig) -> ExitCode {
-    // Dynamo's queue variables, for drop-in users (the flags and KVROUTE_* win).
+pub fn run(config: ServeConfig) -> ExitCode {
+    run_service("serve", "kvroute", config, |_| Ok(ExtraRoutes::default()))
+}
+
+/// Runs the selection service of `kvroute {command}` until SIGINT or SIGTERM, with the routes
+/// `front` adds beside it (the gateway's); `banner` names it in the "listening" line. Dynamo's
+/// queue variables are read first (the flags and `KVROUTE_*` win); a bad knob exits 2.
+pub(crate) fn run_service(
+    command: &str,
+    banner: &str,
+    mut config: ServeConfig,
+    front: impl FnOnce(&Arc<AppState>) -> Result<ExtraRoutes, String>,
+) -> ExitCode {
     if let Err(message) = config.apply_dynamo_env(|name| std::env::var(name).ok()) {
-        eprintln!("kvroute serve: {message}");
+        eprintln!("kvroute {command}: {message}");
         return ExitCode::from(2);
     }
     let state = match AppState::new(config) {
         Ok(state) => state,
         Err(message) => {
-            eprintln!("kvroute serve: {message}");
+            eprintln!("kvroute {command}: {message}");
             return ExitCode::from(2);
         }
     };
@@ -47,7 +60,7 @@ pub fn run(mut config: ServeConfig) -> ExitCode {
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("kvroute serve: cannot start the async runtime: {e}");
+            eprintln!("kvroute {command}: cannot start the async runtime: {e}");
             return ExitCode::FAILURE;
         }
     };
@@ -56,7 +69,7 @@ pub fn run(mut config: ServeConfig) -> ExitCode {
         let listener = match tokio::net::TcpListener::bind(addr).await {
             Ok(l) => l,
             Err(e) => {
-                eprintln!("kvroute serve: cannot listen on {addr}: {e}");
+                eprintln!("kvroute {command}: cannot listen on {addr}: {e}");
                 return ExitCode::FAILURE;
             }
         };
@@ -65,21 +78,28 @@ pub fn run(mut config: ServeConfig) -> ExitCode {
         let _sync = match kvroute_service::sync_tasks::start(&state).await {
             Ok(tasks) => tasks,
             Err(e) => {
-                eprintln!("kvroute serve: replica sync: {e}");
+                eprintln!("kvroute {command}: replica sync: {e}");
                 return ExitCode::FAILURE;
+            }
+        };
+        let routes = match front(&state) {
+            Ok(routes) => routes,
+            Err(message) => {
+                eprintln!("kvroute {command}: {message}");
+                return ExitCode::from(2);
             }
         };
         let local = listener.local_addr().unwrap_or(addr);
         let profile = state.config.router_profile;
-        tracing::info!(%local, %profile, "kvroute selection service listening");
-        println!("kvroute listening on http://{local}");
-        match http::serve(state, listener, shutdown_signal()).await {
+        tracing::info!(%local, %profile, "{banner} listening");
+        println!("{banner} listening on http://{local}");
+        match http::serve_with(state, listener, routes, shutdown_signal()).await {
             Ok(()) => {
                 tracing::info!("stopped");
                 ExitCode::SUCCESS
             }
             Err(e) => {
-                eprintln!("kvroute serve: {e}");
+                eprintln!("kvroute {command}: {e}");
                 ExitCode::FAILURE
             }
         }
