@@ -295,6 +295,59 @@ pub(crate) fn capture_batch(
     out
 }
 
+/// Publishes `batch` from `engine` until worker `worker_id` of `app` holds `device_blocks` of
+/// `tokens` (a PUB socket drops what it sends before the service's listener is up), at most 10 s.
+pub(crate) async fn publish_until_held(
+    app: &TestApp,
+    engine: &mut kvroute_testkit::fake_engine::FakeEngine,
+    batch: &[u8],
+    tokens: &[u32],
+    worker_id: u64,
+    device_blocks: u64,
+) {
+    use serde_json::json;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        engine
+            .publish_payload(batch.to_vec())
+            .await
+            .expect("publish");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        let scores = app
+            .post("/overlap_scores", json!({"token_ids": tokens}))
+            .await;
+        if overlap_by_worker(&scores.body)
+            .get(&worker_id)
+            .is_some_and(|o| o[0] == json!(device_blocks))
+        {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "events never indexed");
+    }
+}
+
+/// Points a recorded worker body's `kv_events_endpoint` at a fake engine of ours (one per
+/// recorded address, made on first use).
+pub(crate) async fn swap_engine_endpoint(
+    engines: &mut std::collections::HashMap<String, kvroute_testkit::fake_engine::FakeEngine>,
+    body: &mut Value,
+) {
+    let Some(addr) = body["kv_events_endpoint"].as_str().map(str::to_string) else {
+        return;
+    };
+    if !engines.contains_key(&addr) {
+        let engine = kvroute_testkit::fake_engine::FakeEngine::bind(
+            "tcp://127.0.0.1:0",
+            None,
+            kvroute_wire::Encoding::Array,
+        )
+        .await
+        .expect("fake engine");
+        engines.insert(addr.clone(), engine);
+    }
+    body["kv_events_endpoint"] = serde_json::json!(engines[&addr].pub_endpoint());
+}
+
 /// `(worker_id, local hash)` of every block in a `/dump` answer. (A block several workers store
 /// is one node in Dynamo's tree, dumped with the engine hash of the first to store it: engine
 /// hashes are not comparable.)
@@ -670,7 +723,6 @@ async fn constraints_exchanges_replay_with_dynamo_decisions() {
     use kvroute_wire::Encoding;
     use serde_json::json;
     use std::collections::HashMap;
-    use std::time::Duration;
 
     let text = std::fs::read_to_string(fixtures().join("constraints.json")).expect("fixture");
     let doc: Value = serde_json::from_str(&text).expect("fixture json");
@@ -712,22 +764,8 @@ async fn constraints_exchanges_replay_with_dynamo_decisions() {
         if name == "no_constraints" {
             // Worker 1 holds the prompt's 4 full blocks, as the capture published them.
             let batch = capture_batch(&[1001, 1002, 1003, 1004], &tokens[..16], None, None);
-            let deadline = std::time::Instant::now() + Duration::from_secs(10);
-            loop {
-                let worker_1 = engines.get_mut(&1).expect("worker 1's engine");
-                worker_1
-                    .publish_payload(batch.clone())
-                    .await
-                    .expect("publish");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                let scores = app
-                    .post("/overlap_scores", json!({"token_ids": tokens}))
-                    .await;
-                if overlap_by_worker(&scores.body).get(&1) == Some(&json!([4, 4, 4])) {
-                    break;
-                }
-                assert!(std::time::Instant::now() < deadline, "events never indexed");
-            }
+            let worker_1 = engines.get_mut(&1).expect("worker 1's engine");
+            publish_until_held(&app, worker_1, &batch, &tokens, 1, 4).await;
         }
         let method =
             Method::from_bytes(ex["method"].as_str().expect("method").as_bytes()).expect("method");
@@ -822,8 +860,6 @@ fn capture_frees_after(name: &str) -> &'static [&'static str] {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn session_exchanges_replay_as_recorded() {
     use kvroute_testkit::fake_engine::FakeEngine;
-    use kvroute_wire::Encoding;
-    use serde_json::json;
     use std::collections::HashMap;
     use std::time::Duration;
 
@@ -862,15 +898,7 @@ async fn session_exchanges_replay_as_recorded() {
             target.state.advance_clock(Duration::from_secs_f64(pause));
         }
         let mut request = ex["request"].clone();
-        if let Some(addr) = request["kv_events_endpoint"].as_str() {
-            if !engines.contains_key(addr) {
-                let engine = FakeEngine::bind("tcp://127.0.0.1:0", None, Encoding::Array)
-                    .await
-                    .expect("fake engine");
-                engines.insert(addr.to_string(), engine);
-            }
-            request["kv_events_endpoint"] = json!(engines[addr].pub_endpoint());
-        }
+        swap_engine_endpoint(&mut engines, &mut request).await;
         let method =
             Method::from_bytes(ex["method"].as_str().expect("method").as_bytes()).expect("method");
         let body = (!request.is_null()).then_some(request.clone());
@@ -880,18 +908,7 @@ async fn session_exchanges_replay_as_recorded() {
             let engine = engines
                 .get_mut(ex["request"]["kv_events_endpoint"].as_str().expect("addr"))
                 .expect("engine");
-            let deadline = std::time::Instant::now() + Duration::from_secs(10);
-            loop {
-                engine.publish_payload(held.clone()).await.expect("publish");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                let scores = target
-                    .post("/overlap_scores", json!({"token_ids": tokens}))
-                    .await;
-                if overlap_by_worker(&scores.body).get(&1) == Some(&json!([4, 4, 4])) {
-                    break;
-                }
-                assert!(std::time::Instant::now() < deadline, "events never indexed");
-            }
+            publish_until_held(target, engine, &held, &tokens, 1, 4).await;
         }
         let want = ex["status"].as_u64().expect("status") as u16;
         let theirs = &ex["response"];

@@ -10,11 +10,10 @@
 //! must still wait: nothing is released earlier than in Dynamo.
 
 use crate::common::{Reply, TestApp};
-use crate::dynamo_compat::{capture_batch, fixtures, overlap_by_worker};
+use crate::dynamo_compat::{capture_batch, fixtures, publish_until_held, swap_engine_endpoint};
 use axum::http::Method;
 use kvroute_service::ServeConfig;
 use kvroute_testkit::fake_engine::FakeEngine;
-use kvroute_wire::Encoding;
 use serde_json::{Value, json};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -351,16 +350,8 @@ async fn queue_exchanges_replay_as_recorded() {
                 hold_prefix(app, &mut engines, ex).await;
             }
             let (method, path, mut body) = request_of(ex);
-            if let Some(b) = body.as_mut()
-                && let Some(addr) = b["kv_events_endpoint"].as_str().map(str::to_string)
-            {
-                if !engines.contains_key(&addr) {
-                    let engine = FakeEngine::bind("tcp://127.0.0.1:0", None, Encoding::Array)
-                        .await
-                        .expect("fake engine");
-                    engines.insert(addr.clone(), engine);
-                }
-                b["kv_events_endpoint"] = json!(engines[&addr].pub_endpoint());
+            if let Some(b) = body.as_mut() {
+                swap_engine_endpoint(&mut engines, b).await;
             }
             app.call(method, &path, body).await
         };
@@ -435,22 +426,5 @@ async fn hold_prefix(app: &TestApp, engines: &mut HashMap<String, FakeEngine>, e
         .values_mut()
         .find(|e| e.pub_endpoint() == endpoint)
         .expect("the wspt worker's engine");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        engine
-            .publish_payload(batch.clone())
-            .await
-            .expect("publish");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        let scores = app
-            .post("/overlap_scores", json!({"token_ids": tokens}))
-            .await;
-        if overlap_by_worker(&scores.body)
-            .get(&1)
-            .is_some_and(|o| o[0] == json!(8))
-        {
-            return;
-        }
-        assert!(Instant::now() < deadline, "the prefix was never indexed");
-    }
+    publish_until_held(app, engine, &batch, &tokens, 1, 8).await;
 }
