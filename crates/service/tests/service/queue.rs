@@ -93,7 +93,35 @@ fn spawn(
     })
 }
 
-async fn finished(task: &JoinHandle<(u16, Value, Option<String>)>, within: Duration) -> bool {
+type Sent = JoinHandle<(u16, Value, Option<String>)>;
+
+/// Releases `release`'s prefill, then waits for exactly the next request to be answered (200):
+/// its name, taken out of `tasks`.
+async fn release_next(app: &TestApp, release: &str, tasks: &mut Vec<(String, Sent)>) -> String {
+    let done = app
+        .post(
+            &format!("/reservations/{release}/prefill_complete"),
+            json!({}),
+        )
+        .await;
+    assert_eq!(done.status, 200, "{}", done.text);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let (name, task) = loop {
+        if let Some(i) = tasks.iter().position(|(_, t)| t.is_finished()) {
+            break tasks.remove(i);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "nothing released after {release}"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    };
+    let (status, body, _) = task.await.unwrap();
+    assert_eq!(status, 200, "{name}: {body}");
+    name
+}
+
+async fn finished(task: &Sent, within: Duration) -> bool {
     let deadline = Instant::now() + within;
     while !task.is_finished() {
         if Instant::now() >= deadline {
@@ -291,14 +319,14 @@ async fn a_worker_must_state_its_capacity_while_queueing() {
 }
 
 /// A request of the order test: name, prompt tokens, `priority_jump`, `strict_priority`.
-type Sent = (&'static str, u32, f64, u32);
+type Ordered = (&'static str, u32, f64, u32);
 
 /// The order of a queue: each policy, with `priority_jump` and `strict_priority`, released one
 /// at a time by the prefill completions of those before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_policy_and_priority_orders_the_waiting_requests() {
     // (policy, [(name, prompt tokens, priority_jump, strict_priority)], release order)
-    let cases: [(&str, Vec<Sent>, [&str; 4]); 4] = [
+    let cases: [(&str, Vec<Ordered>, [&str; 4]); 4] = [
         (
             "fcfs",
             vec![
@@ -348,7 +376,7 @@ async fn each_policy_and_priority_orders_the_waiting_requests() {
         let mut tasks = Vec::new();
         for (i, (name, n, jump, strict)) in sent.iter().enumerate() {
             tasks.push((
-                *name,
+                name.to_string(),
                 spawn(
                     &app,
                     "/select_and_reserve",
@@ -364,25 +392,10 @@ async fn each_policy_and_priority_orders_the_waiting_requests() {
         let mut order = Vec::new();
         let mut release = "blk".to_string();
         for _ in 0..4 {
-            app.post(
-                &format!("/reservations/{release}/prefill_complete"),
-                json!({}),
-            )
-            .await;
             // Exactly one is admitted by each release: every prompt fills the worker again.
-            let deadline = Instant::now() + Duration::from_secs(5);
-            let next = loop {
-                if let Some(i) = tasks.iter().position(|(_, t)| t.is_finished()) {
-                    break tasks.remove(i);
-                }
-                assert!(Instant::now() < deadline, "{policy}: nothing released");
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            };
-            let (status, body, _) = next.1.await.unwrap();
-            assert_eq!(status, 200, "{body}");
+            release = release_next(&app, &release, &mut tasks).await;
             assert_eq!(pending(&app, "m").await.0, 3 - order.len() as u64);
-            order.push(next.0);
-            release = next.0.to_string();
+            order.push(release.clone());
         }
         assert_eq!(order, want, "{policy} {sent:?}");
     }
@@ -402,24 +415,25 @@ async fn a_flooding_tenant_cannot_starve_another() {
     worker(&app, 1, "m").await;
     block(&app, "blk", 1, "m").await;
     // 30 requests of the big tenant first, then 5 of the small one, all 40 tokens.
-    let mut big = Vec::new();
+    let mut tasks = Vec::new();
     for i in 0..30 {
-        big.push(spawn(
+        let task = spawn(
             &app,
             "/select_and_reserve",
             json!({"model_name": "m", "token_ids": tokens(100 + i, 40), "selection_id": format!("big-{i}")}),
             Some("big"),
-        ));
+        );
+        tasks.push((format!("big-{i}"), task));
     }
     wait_pending(&app, "m", 30).await;
-    let mut small = Vec::new();
     for i in 0..5 {
-        small.push(spawn(
+        let task = spawn(
             &app,
             "/select_and_reserve",
             json!({"model_name": "m", "token_ids": tokens(200 + i, 40), "selection_id": format!("small-{i}")}),
             Some("small"),
-        ));
+        );
+        tasks.push((format!("small-{i}"), task));
     }
     wait_pending(&app, "m", 35).await;
     let metrics = app.get("/metrics").await.text;
@@ -433,29 +447,8 @@ async fn a_flooding_tenant_cannot_starve_another() {
     let mut admitted: Vec<String> = Vec::new();
     let mut release = "blk".to_string();
     for _ in 0..12 {
-        app.post(
-            &format!("/reservations/{release}/prefill_complete"),
-            json!({}),
-        )
-        .await;
-        let deadline = Instant::now() + Duration::from_secs(5);
-        let id = loop {
-            let done = big.iter().chain(small.iter()).position(|t| t.is_finished());
-            if let Some(i) = done {
-                let task = if i < big.len() {
-                    big.remove(i)
-                } else {
-                    small.remove(i - big.len())
-                };
-                let (status, body, _) = task.await.unwrap();
-                assert_eq!(status, 200);
-                break body["reservation_id"].as_str().unwrap().to_string();
-            }
-            assert!(Instant::now() < deadline, "nothing released");
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        };
-        release = id.clone();
-        admitted.push(id);
+        release = release_next(&app, &release, &mut tasks).await;
+        admitted.push(release.clone());
     }
     let small_in = admitted.iter().filter(|id| id.starts_with("small")).count();
     assert_eq!(small_in, 5, "admitted: {admitted:?}");
@@ -465,7 +458,7 @@ async fn a_flooding_tenant_cannot_starve_another() {
         .position(|id| id.starts_with("small"))
         .unwrap();
     assert!(first_small <= 2, "admitted: {admitted:?}");
-    for t in big {
+    for (_, t) in tasks {
         t.abort();
     }
 }
