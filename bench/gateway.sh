@@ -75,7 +75,7 @@ SMG_VERSION="${SMG_VERSION:-1.13.0}"
 SMG_FLAGS="${SMG_FLAGS:-}"
 OVERHEAD="${OVERHEAD:-1}"
 # Pairs of overhead runs (gateway, direct), alternating: odd pairs gateway first, even direct.
-OVERHEAD_ROUNDS="${OVERHEAD_ROUNDS:-2}"
+OVERHEAD_ROUNDS="${OVERHEAD_ROUNDS:-4}"
 OVERHEAD_CONCURRENCY="${OVERHEAD_CONCURRENCY:-100}"
 OVERHEAD_REQUESTS="${OVERHEAD_REQUESTS:-3000}"
 OVERHEAD_DURATION="${OVERHEAD_DURATION:-20}"
@@ -439,10 +439,13 @@ out="$here/results/gateway-$stamp.json"
 commit=$(git -C "$repo" rev-parse --short=7 HEAD 2>/dev/null || echo unknown)
 git -C "$repo" diff --quiet HEAD -- crates Cargo.toml Cargo.lock 2>/dev/null || commit="$commit-dirty"
 kv_version=$("$kvroute" --version 2>/dev/null || echo unknown)
+# How the results name the kvroute binary (KVROUTE_BIN_LABEL, e.g. the branch and commit it was
+# built from when KVROUTE_BIN is not this checkout's build).
+kv_label="${KVROUTE_BIN_LABEL:-$kv_version, built from $commit}"
 python3 "$here/gateway_summary.py" --dir "$workdir" --out "$out" \
   --machine "$(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(uname -m)" \
   --cpu-model "$(awk -F': *' '/^model name/ {print $2; exit}' /proc/cpuinfo)" \
-  --commit "$commit" --kvroute-bin "$kvroute ($kv_version)" --smg-version "$SMG_VERSION" \
+  --commit "$commit" --kvroute-bin "$kv_label" --smg-version "$SMG_VERSION" \
   --config "engines=$ENGINES time_scale=$TIME_SCALE overhead_time_scale=$OVERHEAD_TIME_SCALE speedup=$SPEEDUP requests=$REQUESTS skip=$SKIP max_prompt_tokens=$MAX_PROMPT_TOKENS max_output_tokens=$MAX_OUTPUT_TOKENS block_size=$BLOCK_SIZE kvroute_prompt_format=$KVROUTE_PROMPT_FORMAT server_cpus=$server_cpus client_cpus=$client_cpus trace=$(basename "$TRACE")" \
   $([ "${UPDATE_BENCHMARKS:-1}" = 1 ] && echo --benchmarks "$repo/BENCHMARKS.md")
 say "wrote $out"

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """The results of one bench/gateway.sh run: the JSON file and the markdown table.
 
-Reads the client's per-run JSON files (`<server>-r<round>.json`, `overhead-gateway.json`,
-`overhead-direct.json`) from --dir, writes --out, prints the table, and with --benchmarks FILE
+Reads the client's per-run JSON files (`<server>-r<round>.json`, `overhead-gateway-<k>.json`,
+`overhead-direct-<k>.json`) from --dir, writes --out, prints the table, and with --benchmarks FILE
 replaces the text between `<!-- gateway:begin -->` and `<!-- gateway:end -->` in FILE.
+`--results FILE` renders a results file written before (the same table, nothing recomputed).
 
 Per server the table gives the median over rounds of each measure (the rounds' range beside
 the TTFT ones); ratios are kvroute ÷ smg per round, then their median.
@@ -203,13 +204,46 @@ def table(summary):
             f"{fmt(o['server_cpu_per_request_ms'], 3)} ms per request; {o['errors']} errors; "
             f"bookings left {fmt(o['bookings_left'])}."
         )
-    return "\n".join(lines) + ("\n\n" + "\n\n".join(notes) if notes else "")
+    notes.append(targets(summary))
+    return "\n".join(lines) + "\n\n" + "\n\n".join(n for n in notes if n)
+
+
+def targets(summary):
+    """Issue 32's targets, each met, not met, or not measured in this run."""
+    s, r, o = summary["servers"], summary["ratios"], summary.get("overhead")
+
+    def verdict(value, ok, shown):
+        if value is None:
+            return "not measured"
+        return f"{'met' if ok(value) else '**not met**'} ({shown(value)})"
+
+    kv = s.get("kvroute")
+    errors = None if not kv else sum(kv["errors"]) + (o["errors"] if o else 0)
+    left = [x for x in (kv["bookings_left"] if kv else []) if x is not None]
+    if o and o.get("bookings_left") is not None:
+        left.append(o["bookings_left"])
+    items = [
+        ("TTFT p90 ≤ 0.8 × smg's", median(r["ttft_p90_kvroute_over_smg"]), lambda v: v <= 0.8,
+         lambda v: f"{v:.2f}"),
+        ("TTFT p99 ≤ 0.8 × smg's", median(r["ttft_p99_kvroute_over_smg"]), lambda v: v <= 0.8,
+         lambda v: f"{v:.2f}"),
+        ("0 errors", errors, lambda v: v == 0, lambda v: f"{v}"),
+        ("no booking left", max(left) if left else None, lambda v: v == 0, lambda v: f"{v:g}"),
+        ("overhead p50 ≤ 1 ms", o and o["overhead_ms_p50_difference"], lambda v: v <= 1,
+         lambda v: f"{v:.2f} ms"),
+        ("CPU per request ≤ ½ of smg's", median(r["cpu_per_request_kvroute_over_smg"]),
+         lambda v: v <= 0.5, lambda v: f"{v:.2f}×"),
+    ]
+    return "Targets (issue 32): " + "; ".join(
+        f"{name}: {verdict(value, ok, shown)}" for name, value, ok, shown in items
+    ) + "."
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--dir", required=True)
-    p.add_argument("--out", required=True)
+    p.add_argument("--dir", help="the runs' JSON files")
+    p.add_argument("--out", help="the results file to write")
+    p.add_argument("--results", help="render an existing results file instead (no --dir, --out)")
     p.add_argument("--machine", default="")
     p.add_argument("--cpu-model", default="")
     p.add_argument("--commit", default="")
@@ -218,6 +252,12 @@ def main():
     p.add_argument("--config", default="")
     p.add_argument("--benchmarks", help="BENCHMARKS.md to update between the gateway markers")
     args = p.parse_args()
+    if args.results:
+        result = json.load(open(args.results))
+        render(result, args.results, args.benchmarks)
+        return
+    if not (args.dir and args.out):
+        p.error("--dir and --out are required without --results")
 
     runs = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(args.dir, "*.json")))]
     runs = [r for r in runs if "label" in r]
@@ -248,23 +288,30 @@ def main():
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
+    render(result, args.out, args.benchmarks)
+
+
+def render(result, path, benchmarks):
+    """Prints the run's text and puts it between the gateway markers of `benchmarks`."""
+    name = os.path.basename(path)
+    config = " ".join(f"{k}={v}" for k, v in result["config"].items())
     text = (
-        f"Run of {result['date']} at commit `{args.commit}` on {args.cpu_model} ({args.machine}), "
-        f"smg {args.smg_version}; {args.config}. Raw results: "
-        f"[bench/results/{os.path.basename(args.out)}](bench/results/{os.path.basename(args.out)}).\n\n"
-        + table(summary)
+        f"Run of {result['date']} at commit `{result['commit']}` on {result['cpu_model']} "
+        f"({result['machine']}): kvroute `{result['kvroute_bin']}`, smg {result['smg_version']}; "
+        f"{config}. Raw results: [bench/results/{name}](bench/results/{name}).\n\n"
+        + table(result["summary"])
     )
     print(text)
-    if args.benchmarks:
-        doc = open(args.benchmarks).read()
+    if benchmarks:
+        doc = open(benchmarks).read()
         begin, end = "<!-- gateway:begin -->", "<!-- gateway:end -->"
         if begin in doc and end in doc:
             head, rest = doc.split(begin, 1)
             _, tail = rest.split(end, 1)
-            with open(args.benchmarks, "w") as f:
+            with open(benchmarks, "w") as f:
                 f.write(head + begin + "\n" + text + "\n" + end + tail)
         else:
-            print(f"({args.benchmarks} has no gateway markers: left alone)")
+            print(f"({benchmarks} has no gateway markers: left alone)")
 
 
 if __name__ == "__main__":
