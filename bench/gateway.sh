@@ -81,8 +81,8 @@ OVERHEAD_REQUESTS="${OVERHEAD_REQUESTS:-3000}"
 OVERHEAD_DURATION="${OVERHEAD_DURATION:-20}"
 OVERHEAD_PROMPT_TOKENS="${OVERHEAD_PROMPT_TOKENS:-1024}"
 OVERHEAD_OUTPUT_TOKENS="${OVERHEAD_OUTPUT_TOKENS:-64}"
-# The overhead runs' engines stream at the modelled pace (1): 100 streams then carry ~100
-# requests/s, as 100 real streams would, rather than the 400/s of four-times-faster engines.
+# The overhead runs' engines stream at the modelled pace (1): 100 streams then carry ~140
+# requests/s, as 100 real streams would, rather than the ~420/s of four-times-faster engines.
 OVERHEAD_TIME_SCALE="${OVERHEAD_TIME_SCALE:-1}"
 # Before each run, wait (at most QUIET_MAX_WAIT s) until other work takes at most QUIET_PCT % of
 # the machine; each run records the share of the CPU other work took while it ran (`other work`).
