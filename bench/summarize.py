@@ -38,9 +38,10 @@ def storm_kind(entry):
 
 
 def load_results(directory):
-    """Every results JSON in `directory`, oldest first, as (file name, report)."""
+    """Every side-by-side results JSON in `directory` (named by its start, `2026-…json`; not
+    bench/gateway.sh's `gateway-…json`), oldest first, as (file name, report)."""
     out = []
-    for f in sorted(glob.glob(os.path.join(directory, "*.json"))):
+    for f in sorted(glob.glob(os.path.join(directory, "[0-9]*.json"))):
         with open(f) as fh:
             out.append((os.path.basename(f), json.load(fh)))
     return out
