@@ -70,7 +70,7 @@ KVROUTE_PROMPT_FORMAT="${KVROUTE_PROMPT_FORMAT:-text}"
 # round-robin policy yet: the flag below is the one assumed; (c) is skipped while
 # `kvroute gateway --help` does not list it.
 KVROUTE_GATEWAY_FLAGS="${KVROUTE_GATEWAY_FLAGS:-}"
-KVROUTE_RR_FLAGS="${KVROUTE_RR_FLAGS:---router-policy round_robin}"
+KVROUTE_RR_FLAGS="${KVROUTE_RR_FLAGS:---gateway-policy round-robin}"
 SMG_VERSION="${SMG_VERSION:-1.13.0}"
 SMG_FLAGS="${SMG_FLAGS:-}"
 OVERHEAD="${OVERHEAD:-1}"

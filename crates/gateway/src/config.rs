@@ -8,6 +8,16 @@ use clap::Args;
 use std::path::PathBuf;
 use std::time::Duration;
 
+/// `--gateway-policy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum GatewayPolicy {
+    /// The selector's choice (the service's `--router-profile` and knobs).
+    #[default]
+    Kvroute,
+    /// Each model's schedulable workers in turn, whatever they cache (booked all the same).
+    RoundRobin,
+}
+
 #[derive(Debug, Clone, Args)]
 pub struct GatewayArgs {
     /// A worker: `URL` (an OpenAI-compatible server, e.g. `http://10.0.0.1:8000`, whose cache
@@ -23,6 +33,10 @@ pub struct GatewayArgs {
     /// with the admission queue.
     #[arg(long, env = "KVROUTE_MAX_NUM_BATCHED_TOKENS")]
     pub max_num_batched_tokens: Option<u64>,
+    /// How the gateway picks a worker: `kvroute` (the selector: cached prefix against load) or
+    /// `round-robin` (each model's schedulable workers in turn, for comparison; no tokenizing).
+    #[arg(long, env = "KVROUTE_GATEWAY_POLICY", value_enum, default_value_t = GatewayPolicy::Kvroute)]
+    pub gateway_policy: GatewayPolicy,
     /// The model of the `--worker` workers: the `model` field of the requests they serve.
     #[arg(long, env = "KVROUTE_MODEL", default_value = "default")]
     pub model: String,
@@ -81,6 +95,7 @@ pub struct GatewayConfig {
     pub default_model: String,
     pub block_size: u32,
     pub max_num_batched_tokens: Option<u64>,
+    pub policy: GatewayPolicy,
     pub workers_file: Option<PathBuf>,
     pub workers_file_poll: Duration,
     pub tokenizers: Vec<(String, PathBuf)>,
@@ -168,6 +183,7 @@ impl GatewayArgs {
             default_model: self.model.clone(),
             block_size: self.block_size,
             max_num_batched_tokens: self.max_num_batched_tokens,
+            policy: self.gateway_policy,
             workers_file: self.workers_file.clone(),
             workers_file_poll: millis("workers-file-poll-ms", self.workers_file_poll_ms)?,
             tokenizers,

@@ -8,7 +8,7 @@
 //! be connected to is left out and the next-best one booked, `--connect-retries` times at most.
 
 use crate::breaker::Breakers;
-use crate::config::GatewayConfig;
+use crate::config::{GatewayConfig, GatewayPolicy};
 use crate::lifecycle::Booking;
 use crate::metrics::GatewayMetrics;
 use crate::openai::{GatewayError, OpenAiRequest, Prompt};
@@ -28,7 +28,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use kvroute_service::queue::QueuedRoute;
-use kvroute_service::types::{SelectBody, WireHash};
+use kvroute_service::types::{PinnedBody, SelectBody, WireHash};
 use kvroute_service::{AppState, api, http::ExtraRoutes};
 use serde_json::{Value, json};
 use std::sync::Arc;
@@ -72,6 +72,8 @@ pub struct Gateway {
     metrics: GatewayMetrics,
     /// Spreads remote tokenization over a model's workers.
     next_tokenizer_worker: AtomicUsize,
+    /// `--gateway-policy round-robin`'s turn.
+    next_worker: AtomicUsize,
 }
 
 impl std::fmt::Debug for Gateway {
@@ -106,6 +108,7 @@ impl Gateway {
             tokenizers,
             metrics,
             next_tokenizer_worker: AtomicUsize::new(0),
+            next_worker: AtomicUsize::new(0),
         }))
     }
 
@@ -348,10 +351,35 @@ impl Gateway {
                 .filter(|id| !refused.contains(id))
                 .collect::<Vec<u64>>()
         });
+        // Round robin: the next schedulable worker of the model, pinned (pinning skips scoring;
+        // the booking is made and tracked as any other).
+        let pinned_worker = match self.config.policy {
+            GatewayPolicy::Kvroute => None,
+            GatewayPolicy::RoundRobin => {
+                let workers: Vec<u64> = self
+                    .state
+                    .selector
+                    .read()
+                    .list_workers(Some(model), None)
+                    .iter()
+                    .filter(|r| r.lifecycle == kvroute_core::selector::Lifecycle::Schedulable)
+                    .map(|r| r.spec.worker_id)
+                    .filter(|id| !refused.contains(id))
+                    .collect();
+                let turn = self.next_worker.fetch_add(1, Ordering::Relaxed);
+                workers
+                    .get(turn % workers.len().max(1))
+                    .map(|&worker_id| PinnedBody {
+                        worker_id,
+                        dp_rank: None,
+                    })
+            }
+        };
         let mut body = SelectBody {
             model_name: model.to_string(),
             expected_output_tokens: request.expected_output_tokens(),
             allowed_worker_ids,
+            pinned_worker,
             cache_salt: request.cache_salt.clone(),
             ..SelectBody::default()
         };
@@ -440,7 +468,11 @@ impl Gateway {
             .model
             .clone()
             .unwrap_or_else(|| self.config.default_model.clone());
-        let prompt = self.routing_prompt(kind, &parsed, &model).await?;
+        let prompt = match self.config.policy {
+            GatewayPolicy::Kvroute => self.routing_prompt(kind, &parsed, &model).await?,
+            // Round robin reads no cache: the prompt's length is only booked as load.
+            GatewayPolicy::RoundRobin => RoutingPrompt::estimate(body.len()),
+        };
         let stream = parsed.is_stream();
         let mut excluded = Vec::new();
         for _attempt in 0..=self.config.connect_retries {

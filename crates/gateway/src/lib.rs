@@ -38,5 +38,5 @@ pub mod template;
 pub mod tokenize;
 pub mod workers;
 
-pub use config::{GatewayArgs, GatewayConfig};
+pub use config::{GatewayArgs, GatewayConfig, GatewayPolicy};
 pub use gateway::Gateway;

@@ -434,3 +434,51 @@ async fn models_are_listed_and_bad_requests_get_openai_errors() {
     // The gateway's routes are labelled in the service's metrics.
     assert!(gw.metrics_text().contains("route=\"/v1/completions\""));
 }
+
+/// `--gateway-policy round-robin` (the benchmark's baseline) takes the workers in turn whatever
+/// they cache, and books and frees as the default policy does.
+#[tokio::test]
+async fn round_robin_takes_the_workers_in_turn() {
+    let (a, b) = (Upstream::start().await, Upstream::start().await);
+    let gw = TestGateway::start(
+        &[],
+        &[
+            "--gateway-policy",
+            "round-robin",
+            "--worker",
+            &a.url(),
+            "--worker",
+            &b.url(),
+            "--health-check-secs",
+            "0",
+        ],
+    )
+    .await;
+    let client = client();
+    let mut picked = Vec::new();
+    for _ in 0..4 {
+        // The same prompt each time: the default policy would keep it where it is cached.
+        let (status, headers, bytes) = post(
+            &client,
+            &gw.url("/v1/completions"),
+            &json!({"prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], "max_tokens": 2}),
+        )
+        .await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
+        picked.push(headers["x-kvroute-worker-id"].to_str().unwrap().to_string());
+    }
+    assert_ne!(picked[0], picked[1], "{picked:?}");
+    assert_eq!(
+        (&picked[0], &picked[1]),
+        (&picked[2], &picked[3]),
+        "{picked:?}"
+    );
+    assert_eq!(
+        (
+            a.requests("/v1/completions").len(),
+            b.requests("/v1/completions").len()
+        ),
+        (2, 2)
+    );
+    gw.assert_no_booking_left().await;
+}
