@@ -35,10 +35,13 @@
 # - Gateway overhead (OVERHEAD=1, kvroute only): OVERHEAD_CONCURRENCY closed-loop streams, the
 #   engines at OVERHEAD_TIME_SCALE, through the gateway, recording the engine each request went
 #   to (x-kvroute-worker-id); then, on fresh engines, the same requests in the same order at the
-#   same concurrency sent straight to those engines. The mock engine does not report its own first-token time, so its TTFT is
-#   taken as the engine-direct client TTFT: overhead = gateway-run TTFT − direct-run TTFT
-#   (difference of the p50s, and the median of the per-request differences), in OVERHEAD_ROUNDS
-#   pairs, alternating which goes first; the figure is the median over the pairs.
+#   same concurrency sent straight to those engines. The mock engine reports its own time to first
+#   token (from its handler's start) in the usage chunk, so per request client TTFT − engine TTFT
+#   is what sits between client and engine; its p50 through the gateway less its p50 straight to
+#   the engines (the client and loopback alone) is the gateway's overhead, free of the engines'
+#   step timing. Also reported: the difference of the two runs' TTFT p50s and the median
+#   per-request difference. OVERHEAD_ROUNDS pairs, alternating which goes first; the figure is
+#   the median over the pairs.
 #
 # Writes bench/results/gateway-<UTC start>.json and prints a markdown table; BENCHMARKS.md is
 # updated between its gateway markers unless UPDATE_BENCHMARKS=0. Needs python3 (3.9+), PyPI
@@ -421,7 +424,7 @@ if [ "$OVERHEAD" = 1 ] && [ "$has_gateway" = 1 ]; then
   engine_time_scale=$OVERHEAD_TIME_SCALE
   overhead_flags=(--concurrency "$OVERHEAD_CONCURRENCY" --requests "$OVERHEAD_REQUESTS"
     --duration-secs "$OVERHEAD_DURATION" --max-prompt-tokens "$OVERHEAD_PROMPT_TOKENS"
-    --max-output-tokens "$OVERHEAD_OUTPUT_TOKENS" --per-request)
+    --max-output-tokens "$OVERHEAD_OUTPUT_TOKENS" --per-request --engine-ttft)
   # Every direct run replays the engines the first gateway run chose.
   routes="$workdir/overhead-gateway-1.json"
   for k in $(seq 1 "$OVERHEAD_ROUNDS"); do

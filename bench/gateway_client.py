@@ -86,8 +86,10 @@ class PromptBuilder:
       raw     the simulator's own 32-bit ids (kvroute-sim's `mooncake_tokens`).
     """
 
-    def __init__(self, model, max_prompt_tokens, max_output_tokens, prompt_format):
+    def __init__(self, model, max_prompt_tokens, max_output_tokens, prompt_format, usage=False):
         self.model = model
+        # Ask for the usage chunk (the mock engine reports its own TTFT there).
+        self.stream_options = ',"stream_options":{"include_usage":true}' if usage else ""
         self.max_prompt_tokens = max_prompt_tokens
         self.max_output_tokens = max_output_tokens
         self.prompt_format = prompt_format
@@ -125,9 +127,10 @@ class PromptBuilder:
             prompt = json.dumps("".join(parts))
         else:
             prompt = "[" + ",".join(",".join(p) for p in parts) + "]"
-        body = '{"model":%s,"max_tokens":%d,"stream":true,"prompt":%s}' % (
+        body = '{"model":%s,"max_tokens":%d,"stream":true%s,"prompt":%s}' % (
             json.dumps(self.model),
             max_tokens,
+            self.stream_options,
             prompt,
         )
         return body.encode(), have, max_tokens
@@ -332,6 +335,12 @@ class SseReader:
                 if err:
                     self.error = str(err)[:300]
                     continue
+            if b'"kvroute_engine_ttft_us"' in payload:
+                try:
+                    usage = json.loads(payload).get("usage") or {}
+                    self.record["engine_ttft_s"] = usage["kvroute_engine_ttft_us"] / 1e6
+                except (ValueError, KeyError, TypeError):
+                    pass
             if self.record.get("ttft_s") is None:
                 try:
                     choices = json.loads(payload).get("choices") or []
@@ -505,6 +514,9 @@ def main():
                    help="text, or the same prompts as token ids (see PromptBuilder)")
     p.add_argument("--label", default="run")
     p.add_argument("--out", required=True, help="results JSON")
+    p.add_argument("--engine-ttft", action="store_true",
+                   help="ask for the usage chunk and record the mock engine's own TTFT "
+                        "(`usage.kvroute_engine_ttft_us`) as engine_ttft_s per request")
     p.add_argument("--record-routes", action="store_true",
                    help="store each request's engine URL (x-kvroute-worker-id and GET /workers)")
     p.add_argument("--replay-routes", help="send request i to the engine a --record-routes run stored")
@@ -524,7 +536,8 @@ def main():
 
     rows = read_trace(args.trace, args.skip, args.requests)
     builder = PromptBuilder(
-        args.model, args.max_prompt_tokens, args.max_output_tokens, args.prompt_format
+        args.model, args.max_prompt_tokens, args.max_output_tokens, args.prompt_format,
+        usage=args.engine_ttft,
     )
     built = time.perf_counter()
     bodies, prompt_tokens, max_tokens = [], [], []

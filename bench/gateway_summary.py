@@ -110,6 +110,15 @@ def overhead_pair(gw, direct):
             pairs[r["index"]][1] = r["ttft_s"]
     diffs = [1000 * (a - b) for a, b in pairs.values() if b is not None]
     g50, d50 = gw["ttft_ms"]["p50"], direct["ttft_ms"]["p50"]
+
+    def engine_gap(run):
+        # Client TTFT minus the engine's own (the mock reports it in its usage chunk): what sits
+        # between client and engine, free of the engines' step timing.
+        gaps = [1000 * (r["ttft_s"] - r["engine_ttft_s"]) for r in run.get("per_request", [])
+                if r.get("ok") and r.get("engine_ttft_s") is not None and r.get("ttft_s") is not None]
+        return statistics.median(gaps) if gaps else None
+
+    eg, ed = engine_gap(gw), engine_gap(direct)
     return {
         "requests_gateway": gw["requests"],
         "requests_direct": direct["requests"],
@@ -120,6 +129,9 @@ def overhead_pair(gw, direct):
         "ttft_ms_p50_direct": d50,
         "overhead_ms_p50_difference": None if g50 is None or d50 is None else g50 - d50,
         "overhead_ms_paired_median": statistics.median(diffs) if diffs else None,
+        "client_minus_engine_ttft_ms_p50_gateway": eg,
+        "client_minus_engine_ttft_ms_p50_direct": ed,
+        "overhead_ms_engine": None if eg is None or ed is None else eg - ed,
         "paired_requests": len(diffs),
         "server_cpu_per_request_ms": gw.get("server_cpu_per_request_ms"),
         "bookings_left": gw.get("bookings_left"),
@@ -144,6 +156,11 @@ def overhead(runs):
         "pairs": pairs,
         "overhead_ms_p50_difference": median([p["overhead_ms_p50_difference"] for p in pairs]),
         "overhead_ms_paired_median": median([p["overhead_ms_paired_median"] for p in pairs]),
+        "client_minus_engine_ttft_ms_p50_gateway": median(
+            [p["client_minus_engine_ttft_ms_p50_gateway"] for p in pairs]),
+        "client_minus_engine_ttft_ms_p50_direct": median(
+            [p["client_minus_engine_ttft_ms_p50_direct"] for p in pairs]),
+        "overhead_ms_engine": median([p["overhead_ms_engine"] for p in pairs]),
         "ttft_ms_p50_gateway": median([p["ttft_ms_p50_gateway"] for p in pairs]),
         "ttft_ms_p50_direct": median([p["ttft_ms_p50_direct"] for p in pairs]),
         "server_cpu_per_request_ms": median([p["server_cpu_per_request_ms"] for p in pairs]),
@@ -204,6 +221,15 @@ def table(summary):
             f"{fmt(o['server_cpu_per_request_ms'], 3)} ms per request; {o['errors']} errors; "
             f"bookings left {fmt(o['bookings_left'])}."
         )
+        if o.get("overhead_ms_engine") is not None:
+            notes.append(
+                "Gateway overhead by the engine's own first-token time (the mock reports it in "
+                "its usage chunk): client TTFT − engine TTFT, p50, "
+                f"{fmt(o['client_minus_engine_ttft_ms_p50_gateway'], 2)} ms through the gateway, "
+                f"{fmt(o['client_minus_engine_ttft_ms_p50_direct'], 2)} ms straight to the "
+                f"engines (the client and loopback alone): the gateway adds "
+                f"**{fmt(o['overhead_ms_engine'], 2)} ms**."
+            )
     notes.append(targets(summary))
     return "\n".join(lines) + "\n\n" + "\n\n".join(n for n in notes if n)
 
@@ -229,7 +255,9 @@ def targets(summary):
          lambda v: f"{v:.2f}"),
         ("0 errors", errors, lambda v: v == 0, lambda v: f"{v}"),
         ("no booking left", max(left) if left else None, lambda v: v == 0, lambda v: f"{v:g}"),
-        ("overhead p50 ≤ 1 ms", o and o["overhead_ms_p50_difference"], lambda v: v <= 1,
+        ("overhead p50 ≤ 1 ms (client − engine TTFT, less the client's own)",
+         o and (o.get("overhead_ms_engine") if o.get("overhead_ms_engine") is not None
+                else o["overhead_ms_p50_difference"]), lambda v: v <= 1,
          lambda v: f"{v:.2f} ms"),
         ("CPU per request ≤ ½ of smg's", median(r["cpu_per_request_kvroute_over_smg"]),
          lambda v: v <= 0.5, lambda v: f"{v:.2f}×"),

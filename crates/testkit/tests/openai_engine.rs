@@ -164,9 +164,20 @@ async fn stream(
     Streamed { events, clean_end }
 }
 
+/// vLLM's usage, plus the mock's own time to first token (`kvroute_engine_ttft_us`, for the
+/// gateway benchmark), which a request that produced a token carries.
 fn assert_usage(usage: &Value, prompt: u64, completion: u64, cached: u64) {
+    let mut usage = usage.clone();
+    let ttft = usage
+        .as_object_mut()
+        .and_then(|u| u.remove("kvroute_engine_ttft_us"));
     assert_eq!(
-        usage,
+        ttft.as_ref().is_some_and(|t| t.as_u64().is_some()),
+        completion > 0,
+        "kvroute_engine_ttft_us: {ttft:?}"
+    );
+    assert_eq!(
+        &usage,
         &json!({
             "prompt_tokens": prompt,
             "total_tokens": prompt + completion,

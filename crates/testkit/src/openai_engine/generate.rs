@@ -253,11 +253,16 @@ impl Answer {
     }
 
     fn usage(&self) -> Usage {
-        Usage::new(
-            self.job.prompt.len() as u64,
-            u64::from(self.produced),
-            self.cached_tokens,
-        )
+        Usage {
+            kvroute_engine_ttft_us: self
+                .first_token
+                .map(|t| u64::try_from(t.as_micros()).unwrap_or(u64::MAX)),
+            ..Usage::new(
+                self.job.prompt.len() as u64,
+                u64::from(self.produced),
+                self.cached_tokens,
+            )
+        }
     }
 
     /// Takes the next piece of news into account and returns it; `None` if the engine stopped

@@ -297,6 +297,10 @@ pub(crate) struct Usage {
     pub total_tokens: u64,
     pub completion_tokens: u64,
     pub prompt_tokens_details: PromptTokensDetails,
+    /// The mock's own time to first token, from its handler's start (not vLLM's: a benchmark
+    /// subtracts it from the client's to see what sits between them; OpenAI clients ignore it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kvroute_engine_ttft_us: Option<u64>,
 }
 
 impl Usage {
@@ -306,6 +310,7 @@ impl Usage {
             total_tokens: prompt_tokens + completion_tokens,
             completion_tokens,
             prompt_tokens_details: PromptTokensDetails { cached_tokens },
+            kvroute_engine_ttft_us: None,
         }
     }
 }
