@@ -305,6 +305,15 @@ impl TestGateway {
         }
     }
 
+    /// A gateway with default flags in front of one upstream, no health checks.
+    pub async fn in_front_of(upstream: &Upstream) -> Self {
+        Self::start(
+            &[],
+            &["--worker", &upstream.url(), "--health-check-secs", "0"],
+        )
+        .await
+    }
+
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.addr)
     }

@@ -224,11 +224,7 @@ async fn no_worker_is_a_503_and_busy_workers_are_a_429_with_retry_after() {
 async fn an_engines_429_reaches_the_client_with_its_retry_after() {
     let upstream = Upstream::start().await;
     *upstream.state.faults.status.lock() = Some(429);
-    let gw = TestGateway::start(
-        &[],
-        &["--worker", &upstream.url(), "--health-check-secs", "0"],
-    )
-    .await;
+    let gw = TestGateway::in_front_of(&upstream).await;
     let client = client();
     let (status, headers, _) = post(
         &client,

@@ -356,11 +356,7 @@ async fn the_api_key_guards_the_front_and_the_clients_key_stays_with_the_gateway
 #[tokio::test]
 async fn models_are_listed_and_bad_requests_get_openai_errors() {
     let upstream = Upstream::start().await;
-    let gw = TestGateway::start(
-        &[],
-        &["--worker", &upstream.url(), "--health-check-secs", "0"],
-    )
-    .await;
+    let gw = TestGateway::in_front_of(&upstream).await;
     let client = client();
     // A worker registered through the selection API serves its own model.
     let (status, _, _) = post(

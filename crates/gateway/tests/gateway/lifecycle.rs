@@ -106,11 +106,7 @@ async fn a_stream_completes_prefill_at_its_first_token_and_books_output_blocks()
 #[tokio::test]
 async fn a_whole_response_passes_through_and_frees_its_booking() {
     let upstream = Upstream::start().await;
-    let gw = TestGateway::start(
-        &[],
-        &["--worker", &upstream.url(), "--health-check-secs", "0"],
-    )
-    .await;
+    let gw = TestGateway::in_front_of(&upstream).await;
     let client = client();
     for path in ["/v1/completions", "/v1/chat/completions"] {
         let body = if path.contains("chat") {
@@ -154,11 +150,7 @@ async fn a_whole_response_passes_through_and_frees_its_booking() {
 async fn a_client_that_leaves_mid_stream_frees_the_booking() {
     let upstream = Upstream::start().await;
     *upstream.state.faults.token_delay.lock() = Duration::from_millis(200);
-    let gw = TestGateway::start(
-        &[],
-        &["--worker", &upstream.url(), "--health-check-secs", "0"],
-    )
-    .await;
+    let gw = TestGateway::in_front_of(&upstream).await;
     let client = client();
     let request = post_request(
         &gw.url("/v1/completions"),
@@ -192,11 +184,7 @@ async fn a_client_that_leaves_mid_stream_frees_the_booking() {
 async fn a_client_that_leaves_before_the_answer_frees_the_booking() {
     let upstream = Upstream::start().await;
     *upstream.state.faults.first_token_delay.lock() = Duration::from_secs(5);
-    let gw = TestGateway::start(
-        &[],
-        &["--worker", &upstream.url(), "--health-check-secs", "0"],
-    )
-    .await;
+    let gw = TestGateway::in_front_of(&upstream).await;
     let client = client();
     let request = post_request(
         &gw.url("/v1/completions"),
@@ -213,11 +201,7 @@ async fn a_client_that_leaves_before_the_answer_frees_the_booking() {
 async fn an_engine_dying_mid_stream_ends_the_stream_with_an_error_and_frees_the_booking() {
     let upstream = Upstream::start().await;
     *upstream.state.faults.die_after_tokens.lock() = Some(3);
-    let gw = TestGateway::start(
-        &[],
-        &["--worker", &upstream.url(), "--health-check-secs", "0"],
-    )
-    .await;
+    let gw = TestGateway::in_front_of(&upstream).await;
     let client = client();
     let (status, _, bytes) = post(
         &client,
