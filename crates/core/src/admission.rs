@@ -395,11 +395,6 @@ impl<T> AdmissionQueue<T> {
         best.map(|(_, t)| t)
     }
 
-    /// What every waiting request carries, in no particular order.
-    pub fn iter(&self) -> impl Iterator<Item = &T> {
-        self.waiting.values().map(|w| &w.payload)
-    }
-
     /// What a waiting request carries.
     pub fn get(&self, ticket: Ticket) -> Option<&T> {
         self.waiting.get(&ticket).map(|w| &w.payload)

@@ -136,6 +136,8 @@ pub struct Inner {
     partitions: HashMap<PartitionKey, AdmissionQueue<Queued>>,
     /// Waiting requests of all partitions (`--queue-max-requests` bounds it).
     total: usize,
+    /// Waiting requests not pinned to a worker, per partition (they hold newcomers back).
+    unpinned: HashMap<PartitionKey, usize>,
     /// Selection ids held by waiting requests: another request with the id gets a 409.
     ids: HashMap<(PartitionKey, String), usize>,
     shut: bool,
@@ -200,9 +202,7 @@ impl Inner {
     /// waiting request that is not pinned to a worker holds it back (first come first served
     /// across the partition); a pinned one waits for its own worker only.
     pub fn holds_back(&self, key: &PartitionKey) -> bool {
-        self.partitions
-            .get(key)
-            .is_some_and(|q| q.iter().any(|w| w.body.pinned_worker.is_none()))
+        self.unpinned.get(key).is_some_and(|&n| n > 0)
     }
 
     pub fn is_shut(&self) -> bool {
@@ -224,6 +224,7 @@ impl Inner {
         }
         let key = queued.resolved.key.clone();
         let id = queued.body.selection_id.clone();
+        let pinned = queued.body.pinned_worker.is_some();
         let q = self.partitions.entry(key.clone()).or_insert_with(|| {
             AdmissionQueue::new(QueueConfig {
                 // The bound is kept here, across partitions.
@@ -233,6 +234,9 @@ impl Inner {
         });
         let ticket = q.push(tenant, order, queued).map_err(|(e, _)| e)?;
         self.total += 1;
+        if !pinned {
+            *self.unpinned.entry(key.clone()).or_default() += 1;
+        }
         if let Some(id) = id {
             *self.ids.entry((key, id)).or_default() += 1;
         }
@@ -270,6 +274,7 @@ impl Inner {
     pub fn drain(&mut self) -> Vec<Queued> {
         self.shut = true;
         self.total = 0;
+        self.unpinned.clear();
         self.ids.clear();
         self.partitions
             .drain()
@@ -279,6 +284,14 @@ impl Inner {
 
     fn left(&mut self, key: &PartitionKey, queued: &Queued) {
         self.total -= 1;
+        if queued.body.pinned_worker.is_none()
+            && let Some(n) = self.unpinned.get_mut(key)
+        {
+            *n -= 1;
+            if *n == 0 {
+                self.unpinned.remove(key);
+            }
+        }
         if let Some(id) = &queued.body.selection_id {
             let k = (key.clone(), id.clone());
             if let Some(n) = self.ids.get_mut(&k) {
