@@ -110,7 +110,7 @@ def headline_lines(name, r, link):
 
 # Rows of the history table: the newest runs, so that BENCHMARKS.md stays a short reference; the
 # older runs are named by a count and their folder.
-HISTORY_ROWS = 20
+HISTORY_ROWS = 8
 
 
 def history_lines(results, rel):
