@@ -347,7 +347,8 @@ mod tests {
         args: FakeEngineArgs,
     }
 
-    fn parse(argv: &[&str]) -> Result<FakeEngineArgs, clap::Error> {
+    /// `kvroute fake-engine`'s flags from `argv` (also the `--openai` mode's tests).
+    pub(super) fn parse(argv: &[&str]) -> Result<FakeEngineArgs, clap::Error> {
         Cli::try_parse_from(std::iter::once("fake-engine").chain(argv.iter().copied()))
             .map(|cli| cli.args)
     }

@@ -215,13 +215,7 @@ impl GatewayArgs {
         I: IntoIterator<Item = T>,
         T: Into<std::ffi::OsString> + Clone,
     {
-        #[derive(clap::Parser)]
-        struct Wrapper {
-            #[command(flatten)]
-            args: GatewayArgs,
-        }
-        use clap::Parser;
-        Wrapper::try_parse_from(args).map(|w| w.args)
+        kvroute_service::config::parse_args(args)
     }
 }
 

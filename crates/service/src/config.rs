@@ -233,6 +233,19 @@ fn parse_router_profile() -> impl clap::builder::TypedValueParser<Value = Router
         .try_map(|name| name.parse::<RouterProfile>())
 }
 
+/// Parses a group of flags (`clap::Args`: the service's, the gateway's) from arguments, the
+/// first being the program's name, as a command of its own would.
+pub fn parse_args<A, I, T>(args: I) -> Result<A, clap::Error>
+where
+    A: Args + clap::FromArgMatches,
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let command = A::augment_args(clap::Command::new("kvroute"));
+    let matches = command.try_get_matches_from(args)?;
+    A::from_arg_matches(&matches)
+}
+
 /// `--queue-policy`'s parser: fcfs, lcfs, wspt.
 fn parse_queue_policy() -> impl clap::builder::TypedValueParser<Value = QueuePolicy> {
     use clap::builder::TypedValueParser;
@@ -333,13 +346,7 @@ impl ServeConfig {
         I: IntoIterator<Item = T>,
         T: Into<std::ffi::OsString> + Clone,
     {
-        #[derive(clap::Parser)]
-        struct Wrapper {
-            #[command(flatten)]
-            config: ServeConfig,
-        }
-        use clap::Parser;
-        Wrapper::try_parse_from(args).map(|w| w.config)
+        parse_args(args)
     }
 
     /// The defaults, as `kvroute serve` with no flags (ignores the environment).

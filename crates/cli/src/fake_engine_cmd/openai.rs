@@ -133,18 +133,7 @@ async fn serve(config: MockEngineConfig, addr: SocketAddr) -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        args: FakeEngineArgs,
-    }
-
-    fn parse(argv: &[&str]) -> Result<FakeEngineArgs, clap::Error> {
-        Cli::try_parse_from(std::iter::once("fake-engine").chain(argv.iter().copied()))
-            .map(|cli| cli.args)
-    }
+    use crate::fake_engine_cmd::tests::parse;
 
     #[test]
     fn openai_mode_needs_a_port_and_no_script() {
