@@ -180,15 +180,17 @@ impl Gateway {
     async fn routing_prompt(
         &self,
         kind: Kind,
-        request: &OpenAiRequest,
+        request: &mut OpenAiRequest,
         model: &str,
     ) -> Result<RoutingPrompt, GatewayError> {
         let local = self.tokenizers.local(model);
         match kind {
             Kind::Completions => {
+                // Taken, not copied: nothing after routing reads the prompt (the body is
+                // forwarded as it came).
                 let prompt = request
                     .prompt
-                    .clone()
+                    .take()
                     .ok_or_else(|| GatewayError::invalid_param("prompt is required", "prompt"))?
                     .single()?;
                 let text = match prompt {
@@ -463,13 +465,13 @@ impl Gateway {
         let body = kvroute_service::http::json::body_bytes(request, &self.state)
             .await
             .map_err(GatewayError::from)?;
-        let parsed = OpenAiRequest::parse(&body)?;
+        let mut parsed = OpenAiRequest::parse(&body)?;
         let model = parsed
             .model
             .clone()
             .unwrap_or_else(|| self.config.default_model.clone());
         let prompt = match self.config.policy {
-            GatewayPolicy::Kvroute => self.routing_prompt(kind, &parsed, &model).await?,
+            GatewayPolicy::Kvroute => self.routing_prompt(kind, &mut parsed, &model).await?,
             // Round robin reads no cache: the prompt's length is only booked as load.
             GatewayPolicy::RoundRobin => RoutingPrompt::estimate(body.len()),
         };
