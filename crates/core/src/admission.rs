@@ -1,4 +1,4 @@
-//! Admission control (issue 31): the router-side queue that holds selections while every
+//! Admission control: the router-side queue that holds selections while every
 //! candidate rank of their partition is over the queue threshold, in the order of a
 //! [`QueuePolicy`], shared fairly between tenants.
 //!
@@ -105,13 +105,16 @@ impl Default for QueueConfig {
     }
 }
 
+/// Prefill capacity reported for a worker whose `max_num_batched_tokens` is unknown (as Dynamo).
+pub const UNKNOWN_PREFILL_CAPACITY: u64 = 10_000_000;
+
 /// Whether a rank with `active_prefill_tokens` is over the queue threshold.
 pub fn over_threshold(
     threshold: f64,
     active_prefill_tokens: u64,
     max_num_batched_tokens: Option<u64>,
 ) -> bool {
-    let capacity = max_num_batched_tokens.unwrap_or(crate::selector::UNKNOWN_PREFILL_CAPACITY);
+    let capacity = max_num_batched_tokens.unwrap_or(UNKNOWN_PREFILL_CAPACITY);
     active_prefill_tokens as f64 > threshold * capacity as f64
 }
 

@@ -81,8 +81,8 @@ pub use sessions::{
 };
 pub use sync::{BookingOwner, ReplicaSpread, SyncApplyError, SyncApplyOutcome, SyncedBooking};
 pub use types::*;
-/// Prefill capacity reported for a worker whose `max_num_batched_tokens` is unknown (as Dynamo).
-pub const UNKNOWN_PREFILL_CAPACITY: u64 = 10_000_000;
+// Defined beside the queue threshold that reads it, so `admission` needs nothing from here.
+pub use crate::admission::UNKNOWN_PREFILL_CAPACITY;
 
 /// Everything the selector can be configured with. `Default` is the default
 /// [`RouterProfile`]'s configuration, the one every edge starts from.
