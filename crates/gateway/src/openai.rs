@@ -1,15 +1,39 @@
-//! The parts of an OpenAI request the gateway reads, and its errors in OpenAI's shape.
+//! The parts of an OpenAI request the gateway reads: its route and a few fields of its body.
 //!
 //! The request body is forwarded to the engine as received; the gateway only reads `model`
 //! (the partition), `stream`, the prompt (`prompt` or `messages`) and the token limits. A
 //! prompt of token ids is kept as ids, with no copy through a generic JSON value.
 
-use axum::http::{HeaderValue, StatusCode, header};
-use axum::response::{IntoResponse, Response};
+use crate::error::GatewayError;
 use serde::Deserialize;
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
-use serde_json::{Value, json};
+use serde_json::Value;
 use std::fmt;
+
+/// The route templates the gateway adds (the metrics' labels).
+pub mod route {
+    pub const COMPLETIONS: &str = "/v1/completions";
+    pub const CHAT_COMPLETIONS: &str = "/v1/chat/completions";
+    pub const MODELS: &str = "/v1/models";
+    pub const ALL: &[&str] = &[COMPLETIONS, CHAT_COMPLETIONS, MODELS];
+}
+
+/// Which OpenAI route a request came on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Completions,
+    Chat,
+}
+
+impl Kind {
+    /// The route's path, on the gateway and on the engine alike.
+    pub fn path(self) -> &'static str {
+        match self {
+            Kind::Completions => route::COMPLETIONS,
+            Kind::Chat => route::CHAT_COMPLETIONS,
+        }
+    }
+}
 
 /// The fields of `POST /v1/completions` and `POST /v1/chat/completions` that matter here.
 #[derive(Debug, Deserialize)]
@@ -223,99 +247,10 @@ impl<'de> Deserialize<'de> for PromptField {
     }
 }
 
-/// A failure answered to the client in OpenAI's shape:
-/// `{"error": {"message", "type", "param", "code"}}`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct GatewayError {
-    pub status: StatusCode,
-    pub message: String,
-    pub param: Option<&'static str>,
-    /// `Retry-After`, in seconds, for a 429 or 503.
-    pub retry_after_secs: Option<u64>,
-}
-
-impl GatewayError {
-    pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
-        Self {
-            status,
-            message: message.into(),
-            param: None,
-            retry_after_secs: None,
-        }
-    }
-
-    pub fn invalid(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::BAD_REQUEST, message)
-    }
-
-    pub fn invalid_param(message: impl Into<String>, param: &'static str) -> Self {
-        Self {
-            param: Some(param),
-            ..Self::invalid(message)
-        }
-    }
-
-    /// OpenAI's `type` for the status.
-    pub fn kind(&self) -> &'static str {
-        match self.status.as_u16() {
-            400 | 404 | 409 | 413 | 415 | 422 => "invalid_request_error",
-            401 | 403 => "authentication_error",
-            429 => "rate_limit_exceeded",
-            503 => "service_unavailable",
-            504 => "timeout",
-            _ => "upstream_error",
-        }
-    }
-
-    pub fn body(&self) -> Value {
-        json!({"error": {
-            "message": self.message,
-            "type": self.kind(),
-            "param": self.param,
-            "code": self.status.as_u16(),
-        }})
-    }
-
-    /// The error as one server-sent event, for a stream that has already begun.
-    pub fn sse_event(&self) -> bytes::Bytes {
-        let mut out = b"data: ".to_vec();
-        // Serializing a `Value` into a Vec cannot fail.
-        let _ = serde_json::to_writer(&mut out, &self.body());
-        out.extend_from_slice(b"\n\ndata: [DONE]\n\n");
-        out.into()
-    }
-}
-
-impl From<kvroute_service::error::ApiError> for GatewayError {
-    /// The selection service's answer: a 429 (every worker busy, or an admission queue that is
-    /// full) and a 503 (no worker) keep their status and get a `Retry-After`.
-    fn from(e: kvroute_service::error::ApiError) -> Self {
-        let retry_after_secs = match e.status.as_u16() {
-            429 | 503 => Some(e.retry_after.unwrap_or(1)),
-            _ => None,
-        };
-        Self {
-            retry_after_secs,
-            ..Self::new(e.status, e.message)
-        }
-    }
-}
-
-impl IntoResponse for GatewayError {
-    fn into_response(self) -> Response {
-        let mut response = (self.status, axum::Json(self.body())).into_response();
-        if let Some(secs) = self.retry_after_secs
-            && let Ok(value) = HeaderValue::from_str(&secs.to_string())
-        {
-            response.headers_mut().insert(header::RETRY_AFTER, value);
-        }
-        response
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use axum::http::StatusCode;
 
     fn prompt(body: &str) -> Result<Prompt, GatewayError> {
         OpenAiRequest::parse(body.as_bytes())?
@@ -354,24 +289,5 @@ mod tests {
             let e = OpenAiRequest::parse(bad.as_bytes()).unwrap_err();
             assert_eq!(e.status, StatusCode::BAD_REQUEST, "{bad}");
         }
-    }
-
-    #[test]
-    fn errors_take_openais_shape_and_admission_answers_keep_retry_after() {
-        let e = GatewayError::from(kvroute_service::error::ApiError::new(
-            StatusCode::TOO_MANY_REQUESTS,
-            "all eligible workers are overloaded",
-        ));
-        let response = e.clone().into_response();
-        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
-        assert_eq!(response.headers()[header::RETRY_AFTER], "1");
-        assert_eq!(
-            e.body(),
-            json!({"error": {"message": "all eligible workers are overloaded",
-                             "type": "rate_limit_exceeded", "param": null, "code": 429}})
-        );
-        let event = GatewayError::new(StatusCode::BAD_GATEWAY, "gone").sse_event();
-        assert!(event.starts_with(b"data: {\"error\""));
-        assert!(event.ends_with(b"data: [DONE]\n\n"));
     }
 }

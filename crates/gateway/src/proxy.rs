@@ -10,9 +10,9 @@
 //! stream ends the same ways, but a failure mid-body is a failed body (the connection is cut):
 //! a JSON document cannot be completed with an error.
 
-use crate::gateway::Gateway;
-use crate::lifecycle::Booking;
-use crate::openai::GatewayError;
+use crate::booking::Booking;
+use crate::error::GatewayError;
+use crate::health::HealthHandle;
 use crate::sse::SseScanner;
 use axum::http::StatusCode;
 use bytes::Bytes;
@@ -20,16 +20,24 @@ use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 use tokio::time::{Instant, Sleep};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+/// How long a response may take: `--first-token-timeout-ms` and `--request-timeout-ms`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResponseLimits {
+    pub first_token: Duration,
+    pub whole: Duration,
+}
+
 /// The engine's response body on its way to the client.
 pub struct ProxyBody {
     upstream: Incoming,
-    gateway: Arc<Gateway>,
+    health: HealthHandle,
+    limits: ResponseLimits,
     /// `None` once the booking is freed.
     booking: Option<Booking>,
     /// `Some` for a stream of server-sent events.
@@ -44,23 +52,19 @@ pub struct ProxyBody {
 impl ProxyBody {
     pub fn new(
         upstream: Incoming,
-        gateway: Arc<Gateway>,
+        health: HealthHandle,
+        limits: ResponseLimits,
         booking: Booking,
         streaming: bool,
         dispatched_at: Instant,
     ) -> Self {
-        let config = gateway.config();
-        let deadline = Box::pin(tokio::time::sleep_until(
-            dispatched_at + config.request_timeout,
-        ));
-        let first_token = (streaming && !booking.is_prefilled()).then(|| {
-            Box::pin(tokio::time::sleep_until(
-                dispatched_at + config.first_token_timeout,
-            ))
-        });
+        let deadline = Box::pin(tokio::time::sleep_until(dispatched_at + limits.whole));
+        let first_token = (streaming && !booking.is_prefilled())
+            .then(|| Box::pin(tokio::time::sleep_until(dispatched_at + limits.first_token)));
         Self {
             upstream,
-            gateway,
+            health,
+            limits,
             booking: Some(booking),
             scanner: streaming.then(SseScanner::new),
             first_token,
@@ -79,7 +83,7 @@ impl ProxyBody {
         if outcome.tokens > 0 && !booking.is_prefilled() {
             booking.prefill_complete();
             self.first_token = None;
-            self.gateway
+            self.health
                 .metrics()
                 .first_token_seconds
                 .observe(self.dispatched_at.elapsed().as_secs_f64());
@@ -98,7 +102,7 @@ impl ProxyBody {
         self.first_token = None;
         if let Some(mut booking) = self.booking.take() {
             booking.free();
-            self.gateway.metrics().ended(end);
+            self.health.metrics().ended(end);
         }
     }
 
@@ -110,7 +114,7 @@ impl ProxyBody {
         error: GatewayError,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         if let Some(booking) = &self.booking {
-            self.gateway.worker_failed(booking.worker_id, kind);
+            self.health.worker_failed(booking.worker_id, kind);
         }
         let end = if kind == "broken_stream" {
             "upstream_error"
@@ -170,7 +174,7 @@ impl Body for ProxyBody {
         if let Some(timer) = this.first_token.as_mut()
             && timer.as_mut().poll(cx).is_ready()
         {
-            let limit = this.gateway.config().first_token_timeout;
+            let limit = this.limits.first_token;
             return this.fail(
                 "first_token_timeout",
                 GatewayError::new(
@@ -180,7 +184,7 @@ impl Body for ProxyBody {
             );
         }
         if this.deadline.as_mut().poll(cx).is_ready() {
-            let limit = this.gateway.config().request_timeout;
+            let limit = this.limits.whole;
             return this.fail(
                 "timeout",
                 GatewayError::new(

@@ -23,11 +23,18 @@
 //! model = "qwen"                       # optional, per worker
 //! worker_id = 7                        # optional
 //! ```
+//!
+//! The file is read at start (an error stops the gateway) and polled every
+//! `--workers-file-poll-ms` after: a change upserts what changed and deletes what it no
+//! longer lists; a broken file keeps the workers as they were.
 
+use crate::booking::ServiceLink;
+use crate::health::HealthHandle;
 use kvroute_service::types::WorkerBody;
-use kvroute_service::{AppState, api};
 use serde::Deserialize;
 use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 /// One worker to register.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -176,12 +183,20 @@ pub fn parse_workers_file(
 }
 
 /// Registers (or re-registers) workers in the catalog.
-pub fn register(state: &AppState, workers: &[WorkerEntry]) -> Result<(), String> {
+pub fn register(link: &ServiceLink, workers: &[WorkerEntry]) -> Result<(), String> {
     for worker in workers {
-        api::upsert_worker(state, worker.body())
-            .map_err(|e| format!("worker {}: {}", worker.url, e.message))?;
+        link.upsert_worker(worker.body())
+            .map_err(|e| format!("worker {}: {e}", worker.url))?;
     }
     Ok(())
+}
+
+/// What a workers file's entries default to (the flags').
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileDefaults {
+    pub model: String,
+    pub block_size: u32,
+    pub max_num_batched_tokens: Option<u64>,
 }
 
 /// The workers file as last applied: what a reload compares against.
@@ -204,11 +219,9 @@ impl FileWorkers {
     /// changes and the error is returned (once per distinct text).
     pub fn apply(
         &mut self,
-        state: &AppState,
+        link: &ServiceLink,
         text: &str,
-        default_model: &str,
-        default_block_size: u32,
-        default_max_num_batched_tokens: Option<u64>,
+        defaults: &FileDefaults,
     ) -> Result<Option<ReloadOutcome>, String> {
         if self.text.as_deref() == Some(text) {
             return Ok(None);
@@ -216,27 +229,75 @@ impl FileWorkers {
         self.text = Some(text.to_string());
         let wanted = parse_workers_file(
             text,
-            default_model,
-            default_block_size,
-            default_max_num_batched_tokens,
+            &defaults.model,
+            defaults.block_size,
+            defaults.max_num_batched_tokens,
         )?;
         let mut outcome = ReloadOutcome::default();
         let mut next = BTreeMap::new();
         for worker in wanted {
             if self.applied.get(&worker.worker_id) != Some(&worker) {
-                register(state, std::slice::from_ref(&worker))?;
+                register(link, std::slice::from_ref(&worker))?;
                 outcome.upserted += 1;
             }
             next.insert(worker.worker_id, worker);
         }
         for (&id, _) in self.applied.iter().filter(|(id, _)| !next.contains_key(id)) {
-            if let Err(e) = api::delete_worker(state, id) {
-                tracing::debug!(worker_id = id, error = %e.message, "worker already gone");
+            if let Err(e) = link.delete_worker(id) {
+                tracing::debug!(worker_id = id, error = %e, "worker already gone");
             }
             outcome.deleted.push(id);
         }
         self.applied = next;
         Ok(Some(outcome))
+    }
+
+    /// Reads and applies the file at start; the error names the file.
+    pub fn load(path: &Path, link: &ServiceLink, defaults: &FileDefaults) -> Result<Self, String> {
+        let mut file = Self::default();
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("--workers-file {}: {e}", path.display()))?;
+        file.apply(link, &text, defaults)
+            .map_err(|e| format!("--workers-file {}: {e}", path.display()))?;
+        Ok(file)
+    }
+
+    /// Polls the file every `poll` and applies its changes, until the service shuts down; the
+    /// breakers of deleted workers are forgotten.
+    pub async fn watch(
+        mut self,
+        path: PathBuf,
+        poll: Duration,
+        defaults: FileDefaults,
+        link: ServiceLink,
+        health: HealthHandle,
+    ) {
+        let mut tick = tokio::time::interval(poll);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        while !link.is_shutting_down() {
+            tick.tick().await;
+            let text = match tokio::fs::read_to_string(&path).await {
+                Ok(text) => text,
+                Err(e) => {
+                    tracing::debug!(path = %path.display(), error = %e, "workers file unreadable");
+                    continue;
+                }
+            };
+            match self.apply(&link, &text, &defaults) {
+                Ok(Some(outcome)) => {
+                    for id in &outcome.deleted {
+                        health.forget(*id);
+                    }
+                    tracing::info!(path = %path.display(), upserted = outcome.upserted,
+                        deleted = outcome.deleted.len(), "workers file reloaded");
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(path = %path.display(), error = %e,
+                        "workers file not reloaded: keeping the workers as they were");
+                }
+            }
+        }
     }
 }
 

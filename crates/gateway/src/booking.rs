@@ -1,0 +1,297 @@
+//! The gateway's one door into the selection service: every call into `kvroute_service::api`
+//! and every read of its `AppState` is in this file, behind [`ServiceLink`], and the booking a
+//! request holds, [`Booking`].
+//!
+//! A booking is driven by its response: `prefill_complete` at the first generated token, one
+//! `output_block` per `block_size` generated tokens, and the free at the end. Whoever owns the
+//! [`Booking`] owns the load it booked: dropping it frees it. The handler owns it until the
+//! engine answers, then the response body does, so every way a request can end (the stream's
+//! end, an upstream error or timeout, the client going away, which drops the body, a panic)
+//! frees the booking exactly once.
+
+use crate::error::GatewayError;
+use crate::tokenize::RoutingPrompt;
+use axum::extract::Request;
+use axum::http::StatusCode;
+use bytes::Bytes;
+use kvroute_core::selector::Lifecycle;
+use kvroute_service::queue::QueuedRoute;
+use kvroute_service::types::{PinnedBody, SelectBody, WireHash, WorkerBody};
+use kvroute_service::{AppState, api};
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use std::sync::Arc;
+
+/// What a booking asks the selector for.
+#[derive(Debug)]
+pub struct BookRequest<'a> {
+    pub model: &'a str,
+    pub prompt: &'a RoutingPrompt,
+    pub expected_output_tokens: Option<u64>,
+    pub cache_salt: Option<String>,
+    /// `None`: any worker of the model.
+    pub allowed_worker_ids: Option<Vec<u64>>,
+    /// The worker to book, unscored (the policy chose it).
+    pub pinned_worker: Option<u64>,
+    /// The admission queue's tenant.
+    pub tenant: Option<&'a str>,
+}
+
+/// The selection service, as the gateway uses it.
+#[derive(Clone)]
+pub struct ServiceLink {
+    state: Arc<AppState>,
+}
+
+impl std::fmt::Debug for ServiceLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServiceLink").finish_non_exhaustive()
+    }
+}
+
+impl ServiceLink {
+    pub fn new(state: Arc<AppState>) -> Self {
+        Self { state }
+    }
+
+    /// The gateway's metrics, rendered by the service's `GET /metrics` after its own.
+    pub fn attach_metrics(&self, registry: Registry) {
+        self.state.metrics.attach(registry);
+    }
+
+    pub fn is_shutting_down(&self) -> bool {
+        self.state.is_shutting_down()
+    }
+
+    /// Waits while the applier holds selections back (the service's fairness gate).
+    pub async fn applier_passed(&self) {
+        self.state.applier.passed().await;
+    }
+
+    /// A request's body, within the service's body limit and read timeout
+    /// (`--body-read-timeout-ms`).
+    pub async fn read_body(&self, request: Request) -> Result<Bytes, GatewayError> {
+        kvroute_service::http::json::body_bytes(request, &self.state)
+            .await
+            .map_err(GatewayError::from)
+    }
+
+    /// The ids of `model`'s workers (only the schedulable ones with `schedulable_only`), but
+    /// those of `leaving_out`.
+    pub fn worker_ids(&self, model: &str, schedulable_only: bool, leaving_out: &[u64]) -> Vec<u64> {
+        self.state
+            .selector
+            .read()
+            .list_workers(Some(model), None)
+            .iter()
+            .filter(|r| !schedulable_only || r.lifecycle == Lifecycle::Schedulable)
+            .map(|r| r.spec.worker_id)
+            .filter(|id| !leaving_out.contains(id))
+            .collect()
+    }
+
+    /// The workers that have an endpoint URL (of `model`, or all), with their ids.
+    pub fn endpoints(&self, model: Option<&str>) -> Vec<(u64, String)> {
+        self.state
+            .selector
+            .read()
+            .list_workers(model, None)
+            .into_iter()
+            .filter_map(|r| Some((r.spec.worker_id, r.spec.endpoint?)))
+            .collect()
+    }
+
+    /// The catalog's models, as it lists them (a model of several workers named once per run).
+    pub fn model_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self
+            .state
+            .selector
+            .read()
+            .list_workers(None, None)
+            .into_iter()
+            .map(|r| r.spec.model_name)
+            .collect();
+        names.dedup();
+        names
+    }
+
+    /// Registers (or re-registers) a worker, as `POST /workers` does.
+    pub fn upsert_worker(&self, worker: WorkerBody) -> Result<(), String> {
+        api::upsert_worker(&self.state, worker)
+            .map(|_| ())
+            .map_err(|e| e.message)
+    }
+
+    /// Deletes a worker, as `DELETE /workers/{id}` does.
+    pub fn delete_worker(&self, worker_id: u64) -> Result<(), String> {
+        api::delete_worker(&self.state, worker_id)
+            .map(|_| ())
+            .map_err(|e| e.message)
+    }
+
+    /// Books a worker as `POST /select_and_reserve` does: the booking, and the endpoint URL
+    /// of its worker. `bookings_open` counts the live bookings.
+    pub async fn book(
+        &self,
+        request: BookRequest<'_>,
+        bookings_open: &Gauge,
+    ) -> Result<(Booking, String), GatewayError> {
+        let mut body = SelectBody {
+            model_name: request.model.to_string(),
+            expected_output_tokens: request.expected_output_tokens,
+            allowed_worker_ids: request.allowed_worker_ids,
+            pinned_worker: request.pinned_worker.map(|worker_id| PinnedBody {
+                worker_id,
+                dp_rank: None,
+            }),
+            cache_salt: request.cache_salt,
+            ..SelectBody::default()
+        };
+        match request.prompt {
+            RoutingPrompt::Tokens(ids) => body.token_ids = Some(ids.clone()),
+            RoutingPrompt::Estimate { isl_tokens } => {
+                body.block_hashes = Some(Vec::<WireHash>::new());
+                body.sequence_hashes = Some(Vec::new());
+                body.isl_tokens = Some(*isl_tokens);
+            }
+        }
+        // With `--queue-threshold` this may wait in the admission queue; a client that leaves
+        // meanwhile drops this future, which takes the request out of the queue.
+        let selection = api::admit(
+            &self.state,
+            QueuedRoute::SelectAndReserve,
+            body,
+            request.tenant,
+        )
+        .answer()
+        .await?;
+        let reservation_id = selection["reservation_id"].as_str().unwrap_or_default();
+        let worker_id = selection["worker_id"].as_u64().unwrap_or_default();
+        let block_size = selection["block_size"].as_u64().unwrap_or(1);
+        let booking = Booking::new(
+            Arc::clone(&self.state),
+            reservation_id.to_string(),
+            worker_id,
+            u32::try_from(block_size).unwrap_or(u32::MAX),
+            bookings_open.clone(),
+        );
+        let Some(endpoint) = selection["endpoint"].as_str().filter(|e| !e.is_empty()) else {
+            return Err(GatewayError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("worker {worker_id} has no endpoint URL to send requests to"),
+            ));
+        };
+        Ok((booking, endpoint.to_string()))
+    }
+}
+
+/// A live booking on a worker.
+pub struct Booking {
+    state: Arc<AppState>,
+    pub reservation_id: String,
+    pub worker_id: u64,
+    block_size: u64,
+    generated_tokens: u64,
+    reported_blocks: u64,
+    prefilled: bool,
+    freed: bool,
+    open: Gauge,
+}
+
+impl std::fmt::Debug for Booking {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Booking")
+            .field("reservation_id", &self.reservation_id)
+            .field("worker_id", &self.worker_id)
+            .field("generated_tokens", &self.generated_tokens)
+            .field("prefilled", &self.prefilled)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Booking {
+    /// Takes charge of a booking the selector made; `open` counts the live ones.
+    pub fn new(
+        state: Arc<AppState>,
+        reservation_id: String,
+        worker_id: u64,
+        block_size: u32,
+        open: Gauge,
+    ) -> Self {
+        open.inc();
+        Self {
+            state,
+            reservation_id,
+            worker_id,
+            block_size: u64::from(block_size.max(1)),
+            generated_tokens: 0,
+            reported_blocks: 0,
+            prefilled: false,
+            freed: false,
+            open,
+        }
+    }
+
+    /// The first token came: the prompt is prefilled (idempotent).
+    pub fn prefill_complete(&mut self) {
+        if self.prefilled || self.freed {
+            return;
+        }
+        self.prefilled = true;
+        if let Err(e) = api::prefill_complete(&self.state, &self.reservation_id) {
+            tracing::debug!(reservation_id = %self.reservation_id, error = %e.message,
+                "prefill_complete refused");
+        }
+    }
+
+    /// `tokens` more were generated.
+    pub fn generated(&mut self, tokens: u64) {
+        self.set_generated(self.generated_tokens.saturating_add(tokens));
+    }
+
+    /// The engine says `total` tokens were generated so far (a `usage` chunk): never less than
+    /// counted.
+    pub fn set_generated(&mut self, total: u64) {
+        if total > 0 {
+            self.prefill_complete();
+        }
+        self.generated_tokens = self.generated_tokens.max(total);
+        let blocks = self.generated_tokens / self.block_size;
+        while self.reported_blocks < blocks && !self.freed {
+            self.reported_blocks += 1;
+            if let Err(e) = api::output_block(&self.state, &self.reservation_id, None) {
+                tracing::debug!(reservation_id = %self.reservation_id, error = %e.message,
+                    "output_block refused");
+                // The booking is gone (expired or its worker deleted): nothing more to report.
+                self.reported_blocks = blocks;
+            }
+        }
+    }
+
+    pub fn generated_tokens(&self) -> u64 {
+        self.generated_tokens
+    }
+
+    pub fn is_prefilled(&self) -> bool {
+        self.prefilled
+    }
+
+    /// Frees the booking (once).
+    pub fn free(&mut self) {
+        if self.freed {
+            return;
+        }
+        self.freed = true;
+        self.open.dec();
+        if let Err(e) = api::free_reservation(&self.state, &self.reservation_id) {
+            tracing::debug!(reservation_id = %self.reservation_id, error = %e.message,
+                "free refused");
+        }
+    }
+}
+
+impl Drop for Booking {
+    fn drop(&mut self) {
+        self.free();
+    }
+}
