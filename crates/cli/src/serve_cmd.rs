@@ -65,7 +65,7 @@ pub(crate) fn run_service(
         }
     };
     runtime.block_on(async move {
-        let addr = SocketAddr::new(state.config.bind, state.config.port);
+        let addr = SocketAddr::new(state.config().bind, state.config().port);
         let listener = match tokio::net::TcpListener::bind(addr).await {
             Ok(l) => l,
             Err(e) => {
@@ -90,7 +90,7 @@ pub(crate) fn run_service(
             }
         };
         let local = listener.local_addr().unwrap_or(addr);
-        let profile = state.config.router_profile;
+        let profile = state.config().router_profile;
         tracing::info!(%local, %profile, "{banner} listening");
         println!("{banner} listening on http://{local}");
         match http::serve_with(state, listener, routes, shutdown_signal()).await {

@@ -1,6 +1,6 @@
-//! The gateway's one door into the selection service: every call into `kvroute_service::api`
-//! and every read of its `AppState` is in this file, behind [`ServiceLink`], and the booking a
-//! request holds, [`Booking`].
+//! The gateway's one door into the selection service: every call into its in-process handle,
+//! `kvroute_service::Service` (typed results, nothing read back from JSON), is in this file,
+//! behind [`ServiceLink`], and the booking a request holds, [`Booking`].
 //!
 //! A booking is driven by its response: `prefill_complete` at the first generated token, one
 //! `output_block` per `block_size` generated tokens, and the free at the end. Whoever owns the
@@ -15,9 +15,9 @@ use axum::extract::Request;
 use axum::http::StatusCode;
 use bytes::Bytes;
 use kvroute_core::selector::Lifecycle;
-use kvroute_service::queue::QueuedRoute;
+use kvroute_service::api::Booked;
 use kvroute_service::types::{PinnedBody, SelectBody, WireHash, WorkerBody};
-use kvroute_service::{AppState, api};
+use kvroute_service::{AppState, Service};
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use std::sync::Arc;
@@ -40,7 +40,7 @@ pub struct BookRequest<'a> {
 /// The selection service, as the gateway uses it.
 #[derive(Clone)]
 pub struct ServiceLink {
-    state: Arc<AppState>,
+    service: Service,
 }
 
 impl std::fmt::Debug for ServiceLink {
@@ -51,27 +51,29 @@ impl std::fmt::Debug for ServiceLink {
 
 impl ServiceLink {
     pub fn new(state: Arc<AppState>) -> Self {
-        Self { state }
+        Self {
+            service: Service::new(state),
+        }
     }
 
     /// The gateway's metrics, rendered by the service's `GET /metrics` after its own.
     pub fn attach_metrics(&self, registry: Registry) {
-        self.state.metrics.attach(registry);
+        self.service.attach_metrics(registry);
     }
 
     pub fn is_shutting_down(&self) -> bool {
-        self.state.is_shutting_down()
+        self.service.is_shutting_down()
     }
 
     /// Waits while the applier holds selections back (the service's fairness gate).
     pub async fn applier_passed(&self) {
-        self.state.applier.passed().await;
+        self.service.applier_passed().await;
     }
 
     /// A request's body, within the service's body limit and read timeout
     /// (`--body-read-timeout-ms`).
     pub async fn read_body(&self, request: Request) -> Result<Bytes, GatewayError> {
-        kvroute_service::http::json::body_bytes(request, &self.state)
+        kvroute_service::http::json::body_bytes(request, self.service.state())
             .await
             .map_err(GatewayError::from)
     }
@@ -79,10 +81,8 @@ impl ServiceLink {
     /// The ids of `model`'s workers (only the schedulable ones with `schedulable_only`), but
     /// those of `leaving_out`.
     pub fn worker_ids(&self, model: &str, schedulable_only: bool, leaving_out: &[u64]) -> Vec<u64> {
-        self.state
-            .selector
-            .read()
-            .list_workers(Some(model), None)
+        self.service
+            .workers(Some(model), None)
             .iter()
             .filter(|r| !schedulable_only || r.lifecycle == Lifecycle::Schedulable)
             .map(|r| r.spec.worker_id)
@@ -92,10 +92,8 @@ impl ServiceLink {
 
     /// The workers that have an endpoint URL (of `model`, or all), with their ids.
     pub fn endpoints(&self, model: Option<&str>) -> Vec<(u64, String)> {
-        self.state
-            .selector
-            .read()
-            .list_workers(model, None)
+        self.service
+            .workers(model, None)
             .into_iter()
             .filter_map(|r| Some((r.spec.worker_id, r.spec.endpoint?)))
             .collect()
@@ -104,10 +102,8 @@ impl ServiceLink {
     /// The catalog's models, as it lists them (a model of several workers named once per run).
     pub fn model_names(&self) -> Vec<String> {
         let mut names: Vec<String> = self
-            .state
-            .selector
-            .read()
-            .list_workers(None, None)
+            .service
+            .workers(None, None)
             .into_iter()
             .map(|r| r.spec.model_name)
             .collect();
@@ -117,14 +113,16 @@ impl ServiceLink {
 
     /// Registers (or re-registers) a worker, as `POST /workers` does.
     pub fn upsert_worker(&self, worker: WorkerBody) -> Result<(), String> {
-        api::upsert_worker(&self.state, worker)
+        self.service
+            .upsert_worker(worker)
             .map(|_| ())
             .map_err(|e| e.message)
     }
 
     /// Deletes a worker, as `DELETE /workers/{id}` does.
     pub fn delete_worker(&self, worker_id: u64) -> Result<(), String> {
-        api::delete_worker(&self.state, worker_id)
+        self.service
+            .delete_worker(worker_id)
             .map(|_| ())
             .map_err(|e| e.message)
     }
@@ -157,37 +155,36 @@ impl ServiceLink {
         }
         // With `--queue-threshold` this may wait in the admission queue; a client that leaves
         // meanwhile drops this future, which takes the request out of the queue.
-        let selection = api::admit(
-            &self.state,
-            QueuedRoute::SelectAndReserve,
-            body,
-            request.tenant,
-        )
-        .answer()
-        .await?;
-        let reservation_id = selection["reservation_id"].as_str().unwrap_or_default();
-        let worker_id = selection["worker_id"].as_u64().unwrap_or_default();
-        let block_size = selection["block_size"].as_u64().unwrap_or(1);
+        let booked = self
+            .service
+            .select_and_reserve(body, request.tenant)
+            .answer()
+            .await?;
+        let Booked {
+            selection,
+            reservation,
+        } = booked;
+        let worker_id = selection.worker_id;
         let booking = Booking::new(
-            Arc::clone(&self.state),
-            reservation_id.to_string(),
+            self.service.clone(),
+            reservation.reservation_id,
             worker_id,
-            u32::try_from(block_size).unwrap_or(u32::MAX),
+            selection.block_size,
             bookings_open.clone(),
         );
-        let Some(endpoint) = selection["endpoint"].as_str().filter(|e| !e.is_empty()) else {
+        if selection.endpoint.is_empty() {
             return Err(GatewayError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 format!("worker {worker_id} has no endpoint URL to send requests to"),
             ));
-        };
-        Ok((booking, endpoint.to_string()))
+        }
+        Ok((booking, selection.endpoint))
     }
 }
 
 /// A live booking on a worker.
 pub struct Booking {
-    state: Arc<AppState>,
+    service: Service,
     pub reservation_id: String,
     pub worker_id: u64,
     block_size: u64,
@@ -212,7 +209,7 @@ impl std::fmt::Debug for Booking {
 impl Booking {
     /// Takes charge of a booking the selector made; `open` counts the live ones.
     pub fn new(
-        state: Arc<AppState>,
+        service: Service,
         reservation_id: String,
         worker_id: u64,
         block_size: u32,
@@ -220,7 +217,7 @@ impl Booking {
     ) -> Self {
         open.inc();
         Self {
-            state,
+            service,
             reservation_id,
             worker_id,
             block_size: u64::from(block_size.max(1)),
@@ -238,7 +235,7 @@ impl Booking {
             return;
         }
         self.prefilled = true;
-        if let Err(e) = api::prefill_complete(&self.state, &self.reservation_id) {
+        if let Err(e) = self.service.prefill_complete(&self.reservation_id) {
             tracing::debug!(reservation_id = %self.reservation_id, error = %e.message,
                 "prefill_complete refused");
         }
@@ -259,7 +256,7 @@ impl Booking {
         let blocks = self.generated_tokens / self.block_size;
         while self.reported_blocks < blocks && !self.freed {
             self.reported_blocks += 1;
-            if let Err(e) = api::output_block(&self.state, &self.reservation_id, None) {
+            if let Err(e) = self.service.output_block(&self.reservation_id, None) {
                 tracing::debug!(reservation_id = %self.reservation_id, error = %e.message,
                     "output_block refused");
                 // The booking is gone (expired or its worker deleted): nothing more to report.
@@ -283,7 +280,7 @@ impl Booking {
         }
         self.freed = true;
         self.open.dec();
-        if let Err(e) = api::free_reservation(&self.state, &self.reservation_id) {
+        if let Err(e) = self.service.free_reservation(&self.reservation_id) {
             tracing::debug!(reservation_id = %self.reservation_id, error = %e.message,
                 "free refused");
         }

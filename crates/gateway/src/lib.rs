@@ -3,7 +3,8 @@
 //! `kvroute gateway`: an OpenAI-compatible front (`/v1/completions`, `/v1/chat/completions`,
 //! `/v1/models`) for plain vLLM or SGLang workers, that drives each request's booking itself.
 //! It serves beside the selection service's own routes, on the same port and behind the same
-//! guard (API key, shutdown, metrics), and selects in process through `kvroute_service::api`.
+//! guard (API key, shutdown, metrics), and selects in process through the service's handle,
+//! `kvroute_service::Service`.
 //!
 //! A request's path: the body is parsed only for `model`, `stream`, the prompt and the token
 //! limits ([`openai`]); the prompt is tokenized once ([`tokenize`]) so its block hashes are the
@@ -34,7 +35,7 @@
 //! | [`metrics`] | `kvroute_gateway_*` |
 //! | [`client`] | the pooled hyper client to the workers |
 //! | [`tokenize`] | all tokenizing: local (`model`, chat `template`), `remote`, estimates |
-//! | [`booking`] | **the only calls into `kvroute_service::api` and `AppState`** (`ServiceLink`), and the `Booking` a request holds |
+//! | [`booking`] | **the only calls into the service** (`kvroute_service::Service`, behind `ServiceLink`), and the `Booking` a request holds |
 //! | [`health`] | the breakers, the health checks, and the `HealthHandle` a response holds |
 //! | [`workers`] | workers from the flags and the workers file, and its watch |
 //! | [`config`] | the flags |

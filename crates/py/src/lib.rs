@@ -19,6 +19,7 @@ mod convert;
 mod errors;
 mod events;
 mod index;
+mod render;
 mod service;
 
 use pyo3::prelude::*;
@@ -28,7 +29,7 @@ use pyo3::prelude::*;
 #[pyfunction]
 fn _probe_live_ingest(py: Python<'_>) -> PyResult<bool> {
     use kvroute_service::http::types::WorkerBody;
-    use kvroute_service::{AppState, ServeConfig, api};
+    use kvroute_service::{AppState, ServeConfig, Service};
     py.detach(|| {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .build()
@@ -44,9 +45,9 @@ fn _probe_live_ingest(py: Python<'_>) -> PyResult<bool> {
                 kv_events_endpoint: Some("tcp://127.0.0.1:9".to_string()),
                 ..WorkerBody::default()
             };
-            let started =
-                api::upsert_worker(&state, worker).is_ok() && state.ingest.active_listeners() > 0;
-            state.begin_shutdown();
+            let service = Service::new(state);
+            let started = service.upsert_worker(worker).is_ok() && service.active_listeners() > 0;
+            service.begin_shutdown();
             started
         };
         runtime.shutdown_background();

@@ -1,8 +1,9 @@
 //! `kvroute.SelectionService`: the selection service in process.
 //!
 //! Every request method converts its dict to the HTTP body type (so the same JSON rules apply),
-//! calls the same `kvroute_service::api` function as the HTTP handler, and converts the JSON value
-//! it returns back to a dict: Python and HTTP cannot diverge.
+//! calls the operation on the service's in-process handle (`kvroute_service::Service`, the same
+//! functions as the HTTP handlers), and renders its typed result as a dict (`crate::render`):
+//! Python and HTTP cannot diverge.
 //!
 //! Threads: each service owns a small tokio runtime on which the periodic housekeeping (expiry
 //! of idle bookings) runs; its KV-event listeners run on the ingest runtime and the applier
@@ -14,13 +15,12 @@
 use crate::convert::{self, to_py};
 use crate::errors::{api_error, service_error};
 use crate::events;
-use kvroute_service::api;
-use kvroute_service::api::Admission;
+use crate::render;
+use kvroute_service::api::{Admission, Routed};
 use kvroute_service::config::{ApproximatePolicy, SessionAffinityMode};
 use kvroute_service::http::error::ApiError;
 use kvroute_service::http::types::{PromptRouteBody, ReservationBody, SelectBody, WorkerBody};
-use kvroute_service::queue::QueuedRoute;
-use kvroute_service::{AppState, ServeConfig};
+use kvroute_service::{AppState, ServeConfig, Service};
 use parking_lot::Mutex;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -40,10 +40,19 @@ pub enum Reply {
     Failed(ApiError),
 }
 
-impl From<Result<Value, ApiError>> for Reply {
-    fn from(result: Result<Value, ApiError>) -> Self {
+impl Reply {
+    /// A typed result, rendered as the HTTP body would be.
+    fn rendered<T>(result: Result<T, ApiError>, render: impl FnOnce(&T) -> Value) -> Self {
         match result {
-            Ok(v) => Reply::Json(v),
+            Ok(v) => Reply::Json(render(&v)),
+            Err(e) => Reply::Failed(e),
+        }
+    }
+
+    /// `()` for a result that carries nothing.
+    fn done(result: Result<(), ApiError>) -> Self {
+        match result {
+            Ok(()) => Reply::Done,
             Err(e) => Reply::Failed(e),
         }
     }
@@ -73,7 +82,7 @@ enum Access {
 /// The state an operation needs, cheap to clone into a future.
 #[derive(Clone)]
 struct Core {
-    state: Arc<AppState>,
+    service: Service,
     runtime: Handle,
     /// Test hook: always take the offloaded path of [`Core::call`].
     always_offload: Arc<AtomicBool>,
@@ -81,9 +90,9 @@ struct Core {
 
 impl Core {
     /// Runs an operation inside the service runtime's context.
-    fn run<T>(&self, op: impl FnOnce(&AppState) -> T) -> T {
+    fn run<T>(&self, op: impl FnOnce(&Service) -> T) -> T {
         let _context = self.runtime.enter();
-        op(&self.state)
+        op(&self.service)
     }
 
     /// An awaitable resolving to `op`'s reply.
@@ -98,13 +107,10 @@ impl Core {
         &self,
         py: Python<'py>,
         access: Access,
-        op: impl FnOnce(&AppState) -> Reply + Send + 'static,
+        op: impl FnOnce(&Service) -> Reply + Send + 'static,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let lock = &self.state.selector;
-        let contended = match access {
-            Access::Read => lock.is_locked_exclusive(),
-            Access::Write => lock.is_locked(),
-        } || self.always_offload.load(Ordering::Relaxed);
+        let contended = self.service.selector_busy(matches!(access, Access::Write))
+            || self.always_offload.load(Ordering::Relaxed);
         if contended {
             let core = self.clone();
             return pyo3_async_runtimes::tokio::future_into_py(py, async move { Ok(core.run(op)) });
@@ -127,35 +133,34 @@ impl Core {
     /// A select through the admission queue: decided at once like [`Core::call`]; a request
     /// that waits resolves on the runtime when it is decided, and cancelling the awaitable takes
     /// it out of the queue (its future, holding the waiter, is dropped).
-    fn admit<'py>(
+    fn admit<'py, T: Routed + Send + 'static>(
         &self,
         py: Python<'py>,
         access: Access,
-        route: QueuedRoute,
+        admit: fn(&Service, SelectBody, Option<&str>) -> Admission<T>,
+        render: fn(&T) -> Value,
         body: SelectBody,
         tenant: Option<String>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        if self.state.queues.settings().is_none() {
-            let state = Arc::clone(&self.state);
-            return self.call(py, access, move |_| {
-                api::admit(&state, route, body, tenant.as_deref())
+        if !self.service.queues_requests() {
+            return self.call(py, access, move |service| {
+                admit(service, body, tenant.as_deref())
                     .decided()
-                    .map_or(Reply::Done, Reply::from)
+                    .map_or(Reply::Done, |result| Reply::rendered(result, render))
             });
         }
         // Fails (RuntimeError) outside a running event loop, before anything runs.
         let event_loop = pyo3_async_runtimes::get_running_loop(py)?;
-        let admission =
-            py.detach(|| self.run(|_| api::admit(&self.state, route, body, tenant.as_deref())));
+        let admission = py.detach(|| self.run(|service| admit(service, body, tenant.as_deref())));
         match admission {
             Admission::Waiting(waiter) => {
                 pyo3_async_runtimes::tokio::future_into_py(py, async move {
-                    Ok(Reply::from(waiter.wait().await))
+                    Ok(Reply::rendered(waiter.wait().await, render))
                 })
             }
             Admission::Decided(result) => {
                 let future = event_loop.call_method0(pyo3::intern!(py, "create_future"))?;
-                match Reply::from(result).into_pyobject(py) {
+                match Reply::rendered(result, render).into_pyobject(py) {
                     Ok(value) => future.call_method1(pyo3::intern!(py, "set_result"), (value,))?,
                     Err(e) => future
                         .call_method1(pyo3::intern!(py, "set_exception"), (e.into_value(py),))?,
@@ -558,10 +563,9 @@ impl SelectionService {
                 AppState::new(config).map_err(PyValueError::new_err)?
             };
             runtime.spawn(Arc::clone(&state).run_housekeeping());
-            runtime.spawn(api::run_admission(Arc::clone(&state)));
             Ok(Self {
                 core: Core {
-                    state,
+                    service: Service::new(state),
                     runtime: runtime.handle().clone(),
                     always_offload: Arc::new(AtomicBool::new(false)),
                 },
@@ -582,8 +586,8 @@ impl SelectionService {
         worker: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let body: WorkerBody = convert::body(worker, "worker")?;
-        self.core.call(py, Access::Write, move |state| {
-            api::upsert_worker(state, body).into()
+        self.core.call(py, Access::Write, move |service| {
+            Reply::rendered(service.upsert_worker(body), render::worker)
         })
     }
 
@@ -595,16 +599,16 @@ impl SelectionService {
         patch: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let body: WorkerBody = convert::body(patch, "patch")?;
-        self.core.call(py, Access::Write, move |state| {
-            api::patch_worker(state, worker_id, body).into()
+        self.core.call(py, Access::Write, move |service| {
+            Reply::rendered(service.patch_worker(worker_id, body), render::worker)
         })
     }
 
     /// Remove a worker: frees its reservations, drops its cached blocks, stops its KV-event
     /// listeners. Resolves to its record (lifecycle ``unschedulable``).
     fn delete_worker<'py>(&self, py: Python<'py>, worker_id: u64) -> PyResult<Bound<'py, PyAny>> {
-        self.core.call(py, Access::Write, move |state| {
-            api::delete_worker(state, worker_id).into()
+        self.core.call(py, Access::Write, move |service| {
+            Reply::rendered(service.delete_worker(worker_id), render::worker)
         })
     }
 
@@ -617,8 +621,8 @@ impl SelectionService {
         routing_group: Option<String>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let value = py.detach(|| {
-            self.core.run(|state| {
-                api::list_workers(state, model_name.as_deref(), routing_group.as_deref())
+            self.core.run(|service| {
+                render::workers(&service.workers(model_name.as_deref(), routing_group.as_deref()))
             })
         });
         to_py(py, &value)
@@ -626,7 +630,7 @@ impl SelectionService {
 
     /// Readiness (``GET /ready``'s body): ``{"ready", "schedulable_workers", "workers"}``.
     fn ready<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let (_, body) = py.detach(|| self.core.run(api::ready));
+        let body = py.detach(|| self.core.run(|service| render::ready(&service.ready())));
         to_py(py, &body)
     }
 
@@ -644,8 +648,14 @@ impl SelectionService {
         tenant: Option<String>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let body: SelectBody = convert::prompt_body(request, "request")?;
-        self.core
-            .admit(py, Access::Read, QueuedRoute::Select, body, tenant)
+        self.core.admit(
+            py,
+            Access::Read,
+            Service::select,
+            render::selection,
+            body,
+            tenant,
+        )
     }
 
     /// Select and book atomically (``POST /select_and_reserve``); never touches the selection
@@ -662,7 +672,8 @@ impl SelectionService {
         self.core.admit(
             py,
             Access::Write,
-            QueuedRoute::SelectAndReserve,
+            Service::select_and_reserve,
+            render::booked,
             body,
             tenant,
         )
@@ -678,8 +689,8 @@ impl SelectionService {
         request: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let body: ReservationBody = convert::prompt_body(request, "request")?;
-        self.core.call(py, Access::Write, move |state| {
-            api::create_reservation(state, body).into()
+        self.core.call(py, Access::Write, move |service| {
+            Reply::rendered(service.create_reservation(body), render::reservation)
         })
     }
 
@@ -696,14 +707,9 @@ impl SelectionService {
         selection_id: Option<String>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let id = booking_id("prefill_complete", reservation_id, selection_id)?;
-        self.core.call(
-            py,
-            Access::Write,
-            move |state| match api::prefill_complete(state, &id) {
-                Ok(_) => Reply::Done,
-                Err(e) => Reply::Failed(e),
-            },
-        )
+        self.core.call(py, Access::Write, move |service| {
+            Reply::done(service.prefill_complete(&id))
+        })
     }
 
     /// Record one more output block of a reservation (synchronous). With ``decay_fraction`` in
@@ -722,9 +728,8 @@ impl SelectionService {
         let id = booking_id("add_output_block", reservation_id, selection_id)?;
         py.detach(|| {
             self.core
-                .run(|state| api::output_block(state, &id, decay_fraction))
+                .run(|service| service.output_block(&id, decay_fraction))
         })
-        .map(|_| ())
         .map_err(|e| api_error(py, e))
     }
 
@@ -741,14 +746,9 @@ impl SelectionService {
         selection_id: Option<String>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let id = booking_id("free_reservation", reservation_id, selection_id)?;
-        self.core.call(
-            py,
-            Access::Write,
-            move |state| match api::free_reservation(state, &id) {
-                Ok(_) => Reply::Done,
-                Err(e) => Reply::Failed(e),
-            },
-        )
+        self.core.call(py, Access::Write, move |service| {
+            Reply::done(service.free_reservation(&id))
+        })
     }
 
     // -----------------------------------------------------------------------------------------
@@ -761,8 +761,8 @@ impl SelectionService {
         request: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let body: PromptRouteBody = convert::prompt_body(request, "request")?;
-        self.core.call(py, Access::Read, move |state| {
-            api::overlap_scores(state, body).into()
+        self.core.call(py, Access::Read, move |service| {
+            Reply::rendered(service.overlap_scores(body), render::overlap_scores)
         })
     }
 
@@ -774,8 +774,10 @@ impl SelectionService {
         request: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let body: PromptRouteBody = convert::prompt_body(request, "request")?;
-        self.core.call(py, Access::Read, move |state| {
-            api::potential_loads(state, body).into()
+        self.core.call(py, Access::Read, move |service| {
+            Reply::rendered(service.potential_loads(body), |loads| {
+                render::potential_loads(loads)
+            })
         })
     }
 
@@ -788,17 +790,17 @@ impl SelectionService {
         routing_group: Option<String>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let value = py.detach(|| {
-            self.core
-                .run(|state| api::loads(state, model_name.as_deref(), routing_group.as_deref()))
+            self.core.run(|service| {
+                render::loads(&service.loads(model_name.as_deref(), routing_group.as_deref()))
+            })
         });
         to_py(py, &value)
     }
 
     /// The index as events per partition, in ``GET /dump``'s shape.
     fn indexer_snapshot<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        self.core.call(py, Access::Read, |state| {
-            let partitions = state.selector.read().dump();
-            Reply::Json(api::dump_json(partitions))
+        self.core.call(py, Access::Read, |service| {
+            Reply::Json(render::dump(service.dump()))
         })
     }
 
@@ -829,15 +831,9 @@ impl SelectionService {
         };
         let rank = conversion.data_parallel_rank.unwrap_or(dp_rank);
         let applied = py.detach(|| {
-            let state = &self.core.state;
-            let applied = state
-                .selector
-                .write()
-                .apply_events(worker_id, rank, &conversion.events);
-            if let Some(outcome) = &applied {
-                state.metrics.count_events(outcome);
-            }
-            applied
+            self.core
+                .service
+                .apply_kv_events(worker_id, rank, &conversion.events)
         });
         let Some(applied) = applied else {
             return Err(service_error(
@@ -859,15 +855,12 @@ impl SelectionService {
 
     /// KV-event listener tasks running in this service.
     fn active_listeners(&self) -> usize {
-        self.core.state.ingest.active_listeners()
+        self.core.service.active_listeners()
     }
 
     /// The service's Prometheus metrics, as ``GET /metrics`` renders them.
     fn metrics(&self, py: Python<'_>) -> String {
-        py.detach(|| {
-            let state = &self.core.state;
-            state.metrics.render(&state.selector.read())
-        })
+        py.detach(|| self.core.service.render_metrics())
     }
 
     // -----------------------------------------------------------------------------------------
@@ -876,13 +869,13 @@ impl SelectionService {
     /// Stop: KV-event listeners end and every later request raises ``SelectionServiceError``
     /// ("selection service is shutting down", 503); ``ready()`` still answers. Idempotent.
     fn shutdown(&self, py: Python<'_>) {
-        py.detach(|| self.core.run(|state| state.begin_shutdown()));
+        py.detach(|| self.core.run(Service::begin_shutdown));
     }
 
     /// ``shutdown()`` as an awaitable resolving to ``()`` (Dynamo's ``shutdown_async``).
     fn shutdown_async<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        self.core.call(py, Access::Write, |state| {
-            state.begin_shutdown();
+        self.core.call(py, Access::Write, |service| {
+            service.begin_shutdown();
             Reply::Done
         })
     }
@@ -928,13 +921,12 @@ impl SelectionService {
     }
 
     fn __repr__(&self) -> String {
-        let selector = self.core.state.selector.read();
-        let ready = selector.ready();
+        let ready = self.core.service.ready();
         format!(
             "<kvroute.SelectionService workers={} schedulable={}{}>",
             ready.workers.len(),
             ready.schedulable_workers,
-            if self.core.state.is_shutting_down() {
+            if self.core.service.is_shutting_down() {
                 " shut down"
             } else {
                 ""
@@ -945,7 +937,7 @@ impl SelectionService {
 
 impl Drop for SelectionService {
     fn drop(&mut self) {
-        self.core.state.begin_shutdown();
+        self.core.service.begin_shutdown();
         // Does not wait for the runtime's threads, so it is safe wherever the last reference
         // goes away (including inside another runtime).
         if let Some(runtime) = self.runtime.lock().take() {

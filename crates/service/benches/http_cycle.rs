@@ -13,7 +13,6 @@ use kvroute_service::api;
 use kvroute_service::config::ServeConfig;
 use kvroute_service::http::app;
 use kvroute_service::http::types::{ReservationBody, SelectBody};
-use kvroute_service::queue::QueuedRoute;
 use kvroute_service::state::AppState;
 use std::hint::black_box;
 use std::sync::Arc;
@@ -136,13 +135,13 @@ fn bench(c: &mut Criterion) {
                 token_ids: Some(tokens),
                 ..select
             };
-            let admission = api::admit(&state, QueuedRoute::Select, select, None);
+            let admission = api::select(&state, select, None);
             black_box(admission.decided().unwrap().unwrap());
             let reserve: ReservationBody =
                 serde_json::from_value(serde_json::json!({ "selection_id": id })).unwrap();
             black_box(api::create_reservation(&state, reserve).unwrap());
-            black_box(api::prefill_complete(&state, &id).unwrap());
-            black_box(api::free_reservation(&state, &id).unwrap());
+            api::prefill_complete(&state, &id).unwrap();
+            api::free_reservation(&state, &id).unwrap();
         })
     });
     group.finish();

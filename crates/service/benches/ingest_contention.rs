@@ -34,7 +34,7 @@ fn prompt(seed: u32) -> Vec<u32> {
 
 /// Stores and removes 128-block chains on every worker until `stop`, bounded to 60 s.
 fn storm(state: &AppState, stop: &AtomicBool) -> u64 {
-    let sink = state.ingest.sink();
+    let sink = state.ingest().sink();
     let started = Instant::now();
     let mut n = 0u64;
     while !stop.load(Ordering::Relaxed) && started.elapsed() < Duration::from_secs(60) {
@@ -98,10 +98,11 @@ fn bench(c: &mut Criterion) {
         .enable_all()
         .build()
         .unwrap();
+    let service = kvroute_service::Service::new(Arc::clone(&state));
     group.bench_function("during_event_storm_through_the_gate", |b| {
         b.iter(|| {
             i += 1;
-            runtime.block_on(state.applier.passed());
+            runtime.block_on(service.applier_passed());
             black_box(select(&state, bodies[i % bodies.len()].clone()))
         })
     });
@@ -118,14 +119,9 @@ criterion_main!(benches);
 fn select(
     state: &std::sync::Arc<kvroute_service::state::AppState>,
     body: SelectBody,
-) -> serde_json::Value {
-    api::admit(
-        state,
-        kvroute_service::queue::QueuedRoute::Select,
-        body,
-        None,
-    )
-    .decided()
-    .expect("no queue")
-    .expect("select")
+) -> kvroute_core::selector::Selection {
+    api::select(state, body, None)
+        .decided()
+        .expect("no queue")
+        .expect("select")
 }

@@ -2,7 +2,7 @@
 //! variables (so tests can build it from an argument list without touching the process
 //! environment), validated with messages that name the knob.
 
-use crate::queue::QueueSettings;
+use crate::admission::queue::QueueSettings;
 use clap::{Args, ValueEnum};
 use kvroute_core::admission::{QueueConfig, QueuePolicy};
 use kvroute_core::index::IndexConfig;

@@ -8,25 +8,29 @@
 //! ([`state::AppState`]). The fake engine and the HTTP client of the tests and the load
 //! generator are in `kvroute-testkit`.
 //!
-//! - [`api`]: the service's operations, transport-free (HTTP and Python call them).
+//! - [`admission`]: `/select` and `/select_and_reserve` decided at once or queued until
+//!   capacity frees; the queue, the admission task, the decision.
+//! - [`api`]: the service's operations, transport-free, with typed results; [`Service`] is the
+//!   handle of in-process callers (the gateway, Python).
 //! - [`courtesy`]: background threads yield the CPU after each stretch of work.
 //! - [`config`]: every knob as a CLI flag and a `KVROUTE_*` environment variable, validated.
 //! - [`error`]: the one error → response mapping.
-//! - [`http`]: routes, the strict JSON extractor, the OpenAPI document.
+//! - [`http`]: routes, the strict JSON extractor, the rendering of results, the OpenAPI document.
 //! - [`ingest`]: per-endpoint ZMQ SUB listeners with replay, gap and restart handling.
 //! - [`metrics`]: one Prometheus registry per service instance.
-//! - [`queue`]: the admission queue's waiting requests, per partition.
 //! - [`state`]: the shared state and how events, requests and ticks reach the selector.
 //! - [`sync`]: replica sync's knobs, hooks and messages: shared bookings, catalog and KV events.
 //! - `sync_tasks`: replica sync's tasks over NATS (feature `nats`), started by `kvroute serve`.
 //! - [`types`]: the JSON request and response bodies.
 //!
 //! The modules depend on each other in one direction only, each on modules listed before it:
-//! courtesy, error, types, metrics, ingest, sync, queue, config, state, api, http, sync_tasks (held by
-//! the test `tests::modules_depend_in_one_direction`).
+//! courtesy, error, types, metrics, ingest, sync, admission::queue, config, state, admission, api,
+//! http, sync_tasks (held by the test `tests::modules_depend_in_one_direction`). The admission
+//! queue's data sits below the state that holds it; the rest of admission above it.
 // Unsafe code is denied everywhere but in `http::json::avx512` (a bench proved its need).
 #![deny(unsafe_code)]
 
+pub mod admission;
 pub mod api;
 pub mod config;
 pub mod courtesy;
@@ -34,7 +38,6 @@ pub mod error;
 pub mod http;
 pub mod ingest;
 pub mod metrics;
-pub mod queue;
 pub mod state;
 pub mod sync;
 #[cfg(feature = "nats")]
@@ -44,6 +47,7 @@ pub mod types;
 #[cfg(test)]
 mod tests;
 
+pub use api::Service;
 pub use config::ServeConfig;
 pub use http::app;
 pub use state::AppState;

@@ -424,9 +424,8 @@ impl Metrics {
             .observe(seconds);
     }
 
-    /// Counts a successful selection's chosen and best device overlap (module doc). Takes the
-    /// selection by value to move its partition names into the labels.
-    pub fn observe_selection(&self, selection: Selection) {
+    /// Counts a successful selection's chosen and best device overlap (module doc).
+    pub fn observe_selection(&self, selection: &Selection) {
         let Selection {
             partition,
             overlap,
@@ -435,16 +434,16 @@ impl Metrics {
             ..
         } = selection;
         let chosen = overlap.gpu;
-        let best = best_gpu_overlap.max(chosen);
+        let best = (*best_gpu_overlap).max(chosen);
         let mut l = OverlapLabels {
-            model_name: partition.model_name,
-            routing_group: partition.routing_group,
+            model_name: partition.model_name.clone(),
+            routing_group: partition.routing_group.clone(),
             kind: "chosen",
         };
         self.selection_overlap.get_or_create(&l).inc_by(chosen);
         l.kind = "best";
         self.selection_overlap.get_or_create(&l).inc_by(best);
-        let gap_blocks = (best - chosen) / u64::from(block_size.max(1));
+        let gap_blocks = (best - chosen) / u64::from((*block_size).max(1));
         self.selection_gap
             .get_or_create(&PartitionLabels {
                 model_name: l.model_name,

@@ -284,17 +284,58 @@ fn run_applier(
     }
 }
 
+/// A change to what the selector holds, told to [`AppState::changed`], which runs its
+/// follow-ups. What each change triggers:
+///
+/// | change              | KV-event listeners | replica sync       | sessions shared | admission woken |
+/// |---------------------|--------------------|--------------------|-----------------|-----------------|
+/// | `WorkerUpserted`    | started/restarted  | `catalog_changed`  |                 | yes             |
+/// | `WorkerDeleted`     | stopped            | `catalog_changed`  | yes             | yes             |
+/// | `Booked`            |                    | `booking_changed`  | yes             |                 |
+/// | `BookingRefused`    |                    |                    | yes             |                 |
+/// | `PrefillCompleted`  |                    | `booking_changed`  |                 | yes             |
+/// | `OutputBlock`       |                    | `output_block`     |                 |                 |
+/// | `Freed`             |                    | `booking_changed`  | yes             | yes             |
+/// | `Expired`           |                    |                    | yes             | yes             |
+///
+/// "Sessions shared": the session bindings this replica changed go to replica sync (a booking
+/// binds its session, its end starts the binding's TTL, a refusal may drop it). "Admission
+/// woken": the change may free capacity, so the admission task takes a pass over the queue
+/// (`admission::release`); the caller never decides waiting requests itself.
+#[derive(Debug, Clone, Copy)]
+pub enum Change<'a> {
+    /// A worker was added or changed; `events_changed`: its KV-event endpoints changed.
+    WorkerUpserted {
+        record: &'a WorkerRecord,
+        events_changed: bool,
+    },
+    /// A worker was deleted (its bookings ended).
+    WorkerDeleted(u64),
+    /// A booking was made (by `POST /reservations` or `/select_and_reserve`).
+    Booked(&'a str),
+    /// A `/select_and_reserve` was refused.
+    BookingRefused,
+    /// A booking's prefill completed.
+    PrefillCompleted(&'a str),
+    /// A booking produced an output block.
+    OutputBlock(&'a str),
+    /// A booking was freed.
+    Freed(&'a str),
+    /// Housekeeping expired idle bookings.
+    Expired,
+}
+
 pub struct AppState {
-    pub selector: Arc<RwLock<Selector>>,
+    pub(crate) selector: Arc<RwLock<Selector>>,
     /// Whether the KV-event applier holds the selector's write lock (see [`ApplierGate`]).
-    pub applier: Arc<ApplierGate>,
-    pub metrics: Arc<Metrics>,
-    pub config: ServeConfig,
-    pub ingest: IngestManager,
+    pub(crate) applier: Arc<ApplierGate>,
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) config: ServeConfig,
+    pub(crate) ingest: IngestManager,
     /// Replica sync hooks (no-ops without `--nats-url`).
-    pub sync: crate::sync::SyncHandle,
+    pub(crate) sync: crate::sync::SyncHandle,
     /// The admission queue (`--queue-threshold`); never holds anything without it.
-    pub queues: crate::queue::SelectionQueues,
+    pub(crate) queues: crate::admission::queue::SelectionQueues,
     shutting_down: AtomicBool,
     /// How far [`AppState::now`] runs ahead of the monotonic clock, in nanoseconds.
     clock_ahead_nanos: AtomicU64,
@@ -304,7 +345,7 @@ impl AppState {
     /// Builds the state from a validated configuration (the message names a bad knob).
     pub fn new(config: ServeConfig) -> Result<Arc<Self>, String> {
         let selector_config = config.validate()?;
-        let queues = crate::queue::SelectionQueues::new(config.queue_settings()?);
+        let queues = crate::admission::queue::SelectionQueues::new(config.queue_settings()?);
         let selector = Arc::new(RwLock::new(Selector::new(selector_config)));
         let metrics = Arc::new(Metrics::new());
         let (queue, receiver) = std::sync::mpsc::sync_channel(APPLY_QUEUE);
@@ -364,9 +405,75 @@ impl AppState {
         self.clock_ahead_nanos.fetch_add(nanos, Ordering::Relaxed);
     }
 
+    /// Runs the follow-ups of a change: the table of [`Change`].
+    pub fn changed(&self, change: Change<'_>) {
+        match change {
+            Change::WorkerUpserted {
+                record,
+                events_changed,
+            } => {
+                self.sync_listeners(record, events_changed);
+                self.sync.catalog_changed(record.spec.worker_id);
+                self.queues.wake();
+            }
+            Change::WorkerDeleted(worker_id) => {
+                self.ingest.remove_worker(worker_id);
+                self.sync.catalog_changed(worker_id);
+                self.share_session_changes();
+                self.queues.wake();
+            }
+            Change::Booked(id) => {
+                self.sync.booking_changed(id);
+                self.share_session_changes();
+            }
+            Change::BookingRefused => self.share_session_changes(),
+            Change::PrefillCompleted(id) => {
+                self.sync.booking_changed(id);
+                self.queues.wake();
+            }
+            Change::OutputBlock(id) => self.sync.output_block(id),
+            Change::Freed(id) => {
+                self.sync.booking_changed(id);
+                self.share_session_changes();
+                self.queues.wake();
+            }
+            Change::Expired => {
+                self.share_session_changes();
+                self.queues.wake();
+            }
+        }
+    }
+
+    /// The service's configuration.
+    pub fn config(&self) -> &ServeConfig {
+        &self.config
+    }
+
+    /// The service's metrics.
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// The KV-event listeners.
+    pub fn ingest(&self) -> &IngestManager {
+        &self.ingest
+    }
+
+    /// The selector's lock, for tests that inspect or seed the selector directly. Callers in
+    /// process use [`crate::Service`]; nothing else should reach the selector around it.
+    #[doc(hidden)]
+    pub fn selector_for_tests(&self) -> &Arc<RwLock<Selector>> {
+        &self.selector
+    }
+
+    /// The Prometheus text of `GET /metrics`.
+    pub fn render_metrics(&self) -> String {
+        self.metrics.render(&self.selector.read())
+    }
+
     /// Queues for replica sync the sessions whose binding this replica changed (a no-op without
     /// sync or session affinity).
-    pub fn share_session_changes(&self) {
+    fn share_session_changes(&self) {
         if self.sync.replica_id().is_some() && self.config.session_affinity_ttl_secs.is_some() {
             let changed = self.selector.read().take_session_changes();
             self.sync.sessions_changed(changed);
@@ -374,7 +481,7 @@ impl AppState {
     }
 
     /// Starts, restarts or stops a worker's listeners after a catalog change.
-    pub fn sync_listeners(&self, record: &WorkerRecord, events_changed: bool) {
+    pub(crate) fn sync_listeners(&self, record: &WorkerRecord, events_changed: bool) {
         if self.config.no_kv_events {
             return;
         }
@@ -394,10 +501,10 @@ impl AppState {
             self.metrics
                 .queue
                 .observe_wait("shutdown", queued.since.elapsed().as_secs_f64());
-            let _ = queued.reply.send(crate::queue::Decision {
+            let _ = queued.reply.send(crate::admission::queue::Decision {
                 result: Err(crate::error::ApiError::new(
                     axum::http::StatusCode::SERVICE_UNAVAILABLE,
-                    crate::queue::SHUTTING_DOWN,
+                    crate::admission::queue::SHUTTING_DOWN,
                 )),
                 booked: None,
             });
@@ -409,7 +516,7 @@ impl AppState {
     /// One housekeeping pass: expire idle bookings and cached selections.
     pub fn tick(&self, now: Instant) {
         let outcome = self.selector.write().tick(now);
-        self.share_session_changes();
+        self.changed(Change::Expired);
         if !outcome.expired_reservations.is_empty() {
             tracing::info!(
                 count = outcome.expired_reservations.len(),

@@ -320,13 +320,10 @@ impl TestGateway {
 
     /// Live bookings of every worker, from `GET /loads`.
     pub fn active_requests(&self) -> u64 {
-        let loads = kvroute_service::api::loads(&self.state, None, None);
-        loads
-            .as_array()
-            .unwrap()
+        kvroute_service::api::loads(&self.state, None, None)
             .iter()
-            .flat_map(|p| p["loads"].as_array().unwrap().iter())
-            .map(|l| l["active_requests"].as_u64().unwrap())
+            .flat_map(|p| p.loads.iter())
+            .map(|l| l.active_requests)
             .sum()
     }
 
@@ -345,7 +342,7 @@ impl TestGateway {
     }
 
     pub fn metrics_text(&self) -> String {
-        self.state.metrics.render(&self.state.selector.read())
+        self.state.render_metrics()
     }
 }
 

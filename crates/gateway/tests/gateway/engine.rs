@@ -76,7 +76,9 @@ async fn a_repeated_prompt_goes_back_to_the_engine_that_caches_it() {
         eventually("the engine's KV events were applied", || {
             let body: kvroute_service::types::PromptRouteBody =
                 serde_json::from_value(json!({"token_ids": ids})).unwrap();
-            let scores = kvroute_service::api::overlap_scores(&gw.state, body).unwrap();
+            let scores = kvroute_service::http::render::overlap_scores(
+                &kvroute_service::api::overlap_scores(&gw.state, body).unwrap(),
+            );
             scores["workers"]
                 .as_array()
                 .unwrap()

@@ -262,9 +262,9 @@ async fn the_admission_queue_holds_requests_and_its_429_reaches_the_client() {
     .await;
     let client = client();
     // 40 prefill tokens booked through the selection API on the same port: 40 > 0.5 × 64.
-    let worker_id = kvroute_service::api::list_workers(&gw.state, None, None)[0]["worker_id"]
-        .as_u64()
-        .unwrap();
+    let worker_id = kvroute_service::api::list_workers(&gw.state, None, None)[0]
+        .spec
+        .worker_id;
     let blocker = json!({"selection_id": "blk", "worker_id": worker_id,
                          "token_ids": (0..40).collect::<Vec<u32>>()});
     let (status, _, _) = post(&client, &gw.url("/reservations"), &blocker).await;
@@ -301,7 +301,7 @@ async fn the_admission_queue_holds_requests_and_its_429_reaches_the_client() {
         async move { exchange(&client, request).await }
     });
     eventually("the request waits in the queue", || {
-        kvroute_service::api::loads(&gw.state, None, None)[0]["pending_count"] == 1
+        kvroute_service::api::loads(&gw.state, None, None)[0].pending_count == 1
     })
     .await;
     let (status, _, _) = post(

@@ -65,7 +65,9 @@ fn write_tokenizer(dir: &std::path::Path) {
 fn cached_blocks(gw: &TestGateway, tokens: &[u32], worker_id: u64) -> u64 {
     let body: kvroute_service::types::PromptRouteBody =
         serde_json::from_value(json!({"token_ids": tokens})).unwrap();
-    let scores = kvroute_service::api::overlap_scores(&gw.state, body).unwrap();
+    let scores = kvroute_service::http::render::overlap_scores(
+        &kvroute_service::api::overlap_scores(&gw.state, body).unwrap(),
+    );
     scores["workers"]
         .as_array()
         .unwrap()
@@ -217,10 +219,8 @@ async fn remote_tokenization_asks_the_workers_tokenize_route() {
 fn listed_endpoints(gw: &TestGateway) -> Vec<String> {
     let workers = kvroute_service::api::list_workers(&gw.state, None, None);
     let mut endpoints: Vec<String> = workers
-        .as_array()
-        .unwrap()
         .iter()
-        .map(|w| w["endpoint"].as_str().unwrap().to_string())
+        .map(|w| w.spec.endpoint.clone().unwrap())
         .collect();
     endpoints.sort();
     endpoints

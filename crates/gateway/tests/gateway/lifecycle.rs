@@ -6,7 +6,8 @@ use serde_json::{Value, json};
 use std::time::Duration;
 
 fn rank_load(gw: &TestGateway) -> Value {
-    let loads = kvroute_service::api::loads(&gw.state, None, None);
+    let loads =
+        kvroute_service::http::render::loads(&kvroute_service::api::loads(&gw.state, None, None));
     loads[0]["loads"][0].clone()
 }
 

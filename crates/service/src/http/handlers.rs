@@ -1,9 +1,10 @@
-//! Route handlers: extract, call [`crate::api`], render. No routing logic lives here.
+//! Route handlers: extract, call [`crate::api`], render ([`super::render`]). No routing logic
+//! lives here.
 
 use super::json::{JsonBody, OptionalJson, StrictJson};
+use super::render;
 use crate::api;
 use crate::error::ApiError;
-use crate::queue::QueuedRoute;
 use crate::state::AppState;
 use crate::types::*;
 use axum::Json;
@@ -70,7 +71,7 @@ pub async fn upsert_worker(
     State(state): Shared,
     StrictJson(body): StrictJson<WorkerBody>,
 ) -> AppResult {
-    created(api::upsert_worker(&state, body)?)
+    created(render::worker(&api::upsert_worker(&state, body)?))
 }
 
 pub async fn patch_worker(
@@ -78,33 +79,40 @@ pub async fn patch_worker(
     PathId(raw): PathId,
     StrictJson(body): StrictJson<WorkerBody>,
 ) -> AppResult {
-    ok(api::patch_worker(&state, worker_id_param(&raw)?, body)?)
+    ok(render::worker(&api::patch_worker(
+        &state,
+        worker_id_param(&raw)?,
+        body,
+    )?))
 }
 
 pub async fn delete_worker(State(state): Shared, PathId(raw): PathId) -> AppResult {
-    ok(api::delete_worker(&state, worker_id_param(&raw)?)?)
+    ok(render::worker(&api::delete_worker(
+        &state,
+        worker_id_param(&raw)?,
+    )?))
 }
 
 pub async fn list_workers(State(state): Shared, Query(q): Query<PartitionQuery>) -> AppResult {
-    ok(api::list_workers(
+    ok(render::workers(&api::list_workers(
         &state,
         q.model_name.as_deref(),
         q.routing_group.as_deref(),
-    ))
+    )))
 }
 
 pub async fn ready(State(state): Shared) -> AppResult {
-    let (is_ready, body) = api::ready(&state);
-    let status = if is_ready {
+    let ready = api::ready(&state);
+    let status = if ready.ready {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    Ok((status, Json(body)).into_response())
+    Ok((status, Json(render::ready(&ready))).into_response())
 }
 
 pub async fn health() -> AppResult {
-    ok(api::ok_status())
+    ok(render::ok_status())
 }
 
 /// The request's tenant in the admission queue: its `x-tenant-id` header (only that header is
@@ -131,11 +139,10 @@ pub async fn select(
     StrictJson(body): StrictJson<SelectBody>,
 ) -> AppResult {
     state.applier.passed().await;
-    ok(
-        api::admit(&state, QueuedRoute::Select, body, tenant.as_deref())
-            .answer()
-            .await?,
-    )
+    let selection = api::select(&state, body, tenant.as_deref())
+        .answer()
+        .await?;
+    ok(render::selection(&selection))
 }
 
 pub async fn select_and_reserve(
@@ -144,13 +151,10 @@ pub async fn select_and_reserve(
     StrictJson(body): StrictJson<SelectBody>,
 ) -> AppResult {
     state.applier.passed().await;
-    let admission = api::admit(
-        &state,
-        QueuedRoute::SelectAndReserve,
-        body,
-        tenant.as_deref(),
-    );
-    ok(admission.answer().await?)
+    let booked = api::select_and_reserve(&state, body, tenant.as_deref())
+        .answer()
+        .await?;
+    ok(render::booked(&booked))
 }
 
 pub async fn create_reservation(
@@ -158,7 +162,7 @@ pub async fn create_reservation(
     StrictJson(body): StrictJson<ReservationBody>,
 ) -> AppResult {
     state.applier.passed().await;
-    created(api::create_reservation(&state, body)?)
+    created(render::reservation(&api::create_reservation(&state, body)?))
 }
 
 pub async fn prefill_complete(
@@ -167,7 +171,8 @@ pub async fn prefill_complete(
     OptionalJson(_body): OptionalJson<Value>,
 ) -> AppResult {
     state.applier.passed().await;
-    ok(api::prefill_complete(&state, &id)?)
+    api::prefill_complete(&state, &id)?;
+    ok(render::ok_status())
 }
 
 pub async fn output_block(
@@ -176,16 +181,14 @@ pub async fn output_block(
     OptionalJson(body): OptionalJson<OutputBlockBody>,
 ) -> AppResult {
     state.applier.passed().await;
-    ok(api::output_block(
-        &state,
-        &id,
-        body.and_then(|b| b.decay_fraction),
-    )?)
+    api::output_block(&state, &id, body.and_then(|b| b.decay_fraction))?;
+    ok(render::ok_status())
 }
 
 pub async fn free_reservation(State(state): Shared, PathId(id): PathId) -> AppResult {
     state.applier.passed().await;
-    ok(api::free_reservation(&state, &id)?)
+    api::free_reservation(&state, &id)?;
+    ok(render::ok_status())
 }
 
 pub async fn overlap_scores(
@@ -193,7 +196,7 @@ pub async fn overlap_scores(
     StrictJson(body): StrictJson<PromptRouteBody>,
 ) -> AppResult {
     state.applier.passed().await;
-    ok(api::overlap_scores(&state, body)?)
+    ok(render::overlap_scores(&api::overlap_scores(&state, body)?))
 }
 
 pub async fn potential_loads(
@@ -201,28 +204,30 @@ pub async fn potential_loads(
     StrictJson(body): StrictJson<PromptRouteBody>,
 ) -> AppResult {
     state.applier.passed().await;
-    ok(api::potential_loads(&state, body)?)
+    ok(render::potential_loads(&api::potential_loads(
+        &state, body,
+    )?))
 }
 
 pub async fn loads(State(state): Shared, Query(q): Query<PartitionQuery>) -> AppResult {
-    ok(api::loads(
+    ok(render::loads(&api::loads(
         &state,
         q.model_name.as_deref(),
         q.routing_group.as_deref(),
-    ))
+    )))
 }
 
 pub async fn dump(State(state): Shared) -> AppResult {
     // The snapshot under the read lock; the JSON (seconds for millions of blocks) after it, off
     // the request threads, written straight from the snapshot.
-    let partitions = state.selector.read().dump();
+    let partitions = api::dump(&state);
     let failed = |e: &dyn std::fmt::Display| {
         ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             format!("building the dump failed: {e}"),
         )
     };
-    let body = tokio::task::spawn_blocking(move || serde_json::to_vec(&api::Dump(partitions)))
+    let body = tokio::task::spawn_blocking(move || serde_json::to_vec(&render::Dump(partitions)))
         .await
         .map_err(|e| failed(&e))?
         .map_err(|e| failed(&e))?;
@@ -238,7 +243,7 @@ pub async fn dump(State(state): Shared) -> AppResult {
 
 pub async fn metrics(State(state): Shared) -> Response {
     api::observe_queue(&state);
-    let text = state.metrics.render(&state.selector.read());
+    let text = state.render_metrics();
     (
         [(
             axum::http::header::CONTENT_TYPE,

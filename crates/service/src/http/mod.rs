@@ -5,6 +5,7 @@ pub mod connections;
 pub mod handlers;
 pub mod json;
 pub mod openapi;
+pub mod render;
 
 /// The request/response types and the error mapping live at the crate root, below
 /// [`crate::api`] (which the handlers call); re-exported where HTTP callers look for them.
@@ -319,7 +320,6 @@ pub async fn serve_with(
         .map_err(|message| std::io::Error::new(std::io::ErrorKind::InvalidInput, message))?;
     connections::warn_if_above_file_limit(limits.max_connections);
     tokio::spawn(Arc::clone(&state).run_housekeeping());
-    tokio::spawn(crate::api::run_admission(Arc::clone(&state)));
     let drain_state = Arc::clone(&state);
     let listener =
         connections::GuardedListener::new(listener, limits, state.metrics.connections.clone());

@@ -42,7 +42,7 @@ fn store(app: &TestApp, worker_id: u64, prompt: &[u32], tier: Tier) {
         })
         .collect();
     app.state
-        .selector
+        .selector_for_tests()
         .write()
         .apply_events(
             worker_id,
@@ -732,7 +732,7 @@ async fn bounded_load_has_no_5xx_and_flat_memory() {
         "no 4xx either: every replay found its selection"
     );
     assert!(
-        state.selector.read().load_tracker().is_empty(),
+        state.selector_for_tests().read().load_tracker().is_empty(),
         "every booking freed"
     );
     let samples = rss_samples.lock().clone();

@@ -66,7 +66,7 @@ fn held(
 }
 
 fn device(state: &AppState, worker_id: u64, dp_rank: u32, prompt: &[u32]) -> u32 {
-    held(&state.selector, worker_id, dp_rank, prompt).0
+    held(state.selector_for_tests(), worker_id, dp_rank, prompt).0
 }
 
 fn labelled(
@@ -206,7 +206,7 @@ async fn stored_events_in_both_encodings_change_the_overlap() {
             .await
             .unwrap();
         eventually("three device blocks", || {
-            held(&state.selector, worker_id, 0, &prompt) == (3, 3, 3)
+            held(state.selector_for_tests(), worker_id, 0, &prompt) == (3, 3, 3)
         })
         .await;
         // The fourth block continues the chain on the host tier.
@@ -215,21 +215,26 @@ async fn stored_events_in_both_encodings_change_the_overlap() {
             .await
             .unwrap();
         eventually("a fourth block on the host", || {
-            held(&state.selector, worker_id, 0, &prompt) == (3, 4, 4)
+            held(state.selector_for_tests(), worker_id, 0, &prompt) == (3, 4, 4)
         })
         .await;
         let endpoint = engine.pub_endpoint().to_string();
-        assert!(messages(&state.metrics, worker_id, &endpoint, "ok") >= 3);
+        // The listener counts a message after handing it to the applier, so the count may
+        // trail the index by a moment.
+        eventually("three messages counted", || {
+            messages(state.metrics(), worker_id, &endpoint, "ok") >= 3
+        })
+        .await;
         assert_eq!(
-            messages(&state.metrics, worker_id, &endpoint, "malformed"),
+            messages(state.metrics(), worker_id, &endpoint, "malformed"),
             0
         );
         assert_eq!(
-            listener_state(&state.metrics, worker_id, &endpoint),
+            listener_state(state.metrics(), worker_id, &endpoint),
             ListenerState::Live as i64
         );
     }
-    assert_eq!(state.ingest.active_listeners(), 2);
+    assert_eq!(state.ingest().active_listeners(), 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -278,7 +283,7 @@ async fn dropped_batch_is_recovered_by_replay_in_both_layouts() {
         assert!(engine.wait_for_subscribers(1, WAIT).await);
         warm_up(&mut engine, &state, worker_id, 0).await;
         let endpoint = engine.pub_endpoint().to_string();
-        let replayed_gaps = gaps(&state.metrics, worker_id, &endpoint, "replayed");
+        let replayed_gaps = gaps(state.metrics(), worker_id, &endpoint, "replayed");
 
         let lost = tokens(100, 2);
         let next = tokens(200, 2);
@@ -296,20 +301,20 @@ async fn dropped_batch_is_recovered_by_replay_in_both_layouts() {
         })
         .await;
         eventually("the gap counted as replayed", || {
-            gaps(&state.metrics, worker_id, &endpoint, "replayed") == replayed_gaps + 1
+            gaps(state.metrics(), worker_id, &endpoint, "replayed") == replayed_gaps + 1
         })
         .await;
-        assert!(messages(&state.metrics, worker_id, &endpoint, "replayed") >= 1);
+        assert!(messages(state.metrics(), worker_id, &endpoint, "replayed") >= 1);
         assert_eq!(
-            gaps(&state.metrics, worker_id, &endpoint, "not_replayed"),
+            gaps(state.metrics(), worker_id, &endpoint, "not_replayed"),
             0
         );
         assert_eq!(
-            gaps(&state.metrics, worker_id, &endpoint, "replay_timeout"),
+            gaps(state.metrics(), worker_id, &endpoint, "replay_timeout"),
             0
         );
         eventually("live again", || {
-            listener_state(&state.metrics, worker_id, &endpoint) == ListenerState::Live as i64
+            listener_state(state.metrics(), worker_id, &endpoint) == ListenerState::Live as i64
         })
         .await;
     }
@@ -323,7 +328,7 @@ async fn gap_without_replay_endpoint_is_counted() {
     register(&app, worker(1, &engine)).await;
     warm_up(&mut engine, &state, 1, 0).await;
     let endpoint = engine.pub_endpoint().to_string();
-    assert_eq!(gaps(&state.metrics, 1, &endpoint, "not_replayed"), 0);
+    assert_eq!(gaps(state.metrics(), 1, &endpoint, "not_replayed"), 0);
 
     engine.skip_seq();
     engine.skip_seq();
@@ -336,7 +341,7 @@ async fn gap_without_replay_endpoint_is_counted() {
         device(&state, 1, 0, &prompt) == 2
     })
     .await;
-    assert_eq!(gaps(&state.metrics, 1, &endpoint, "not_replayed"), 1);
+    assert_eq!(gaps(state.metrics(), 1, &endpoint, "not_replayed"), 1);
 
     // A repeated sequence number is a duplicate: dropped, counted, no restart.
     let again = tokens(50, 1);
@@ -366,8 +371,8 @@ async fn gap_without_replay_endpoint_is_counted() {
     })
     .await;
     assert_eq!(device(&state, 1, 0, &again), 0);
-    assert_eq!(messages(&state.metrics, 1, &endpoint, "duplicate"), 1);
-    assert_eq!(restarts(&state.metrics, 1, &endpoint), 0);
+    assert_eq!(messages(state.metrics(), 1, &endpoint, "duplicate"), 1);
+    assert_eq!(restarts(state.metrics(), 1, &endpoint), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -391,7 +396,7 @@ async fn engine_restart_clears_the_rank() {
     })
     .await;
     let endpoint = engine.pub_endpoint().to_string();
-    assert_eq!(restarts(&state.metrics, 1, &endpoint), 0);
+    assert_eq!(restarts(state.metrics(), 1, &endpoint), 0);
 
     engine.restart();
     let after = tokens(100, 1);
@@ -409,8 +414,8 @@ async fn engine_restart_clears_the_rank() {
         "the restart cleared the rank"
     );
     assert_eq!(device(&state, 1, 0, &probe), 0);
-    assert_eq!(restarts(&state.metrics, 1, &endpoint), 1);
-    assert_eq!(gaps(&state.metrics, 1, &endpoint, "not_replayed"), 0);
+    assert_eq!(restarts(state.metrics(), 1, &endpoint), 1);
+    assert_eq!(gaps(state.metrics(), 1, &endpoint, "not_replayed"), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -467,10 +472,10 @@ async fn garbage_is_counted_and_the_listener_keeps_going() {
         device(&state, 1, 0, &prompt) == 2
     })
     .await;
-    assert_eq!(messages(&state.metrics, 1, &endpoint, "malformed"), 6);
-    assert_eq!(gaps(&state.metrics, 1, &endpoint, "not_replayed"), 0);
-    assert_eq!(restarts(&state.metrics, 1, &endpoint), 0);
-    let text = state.metrics.render(&state.selector.read());
+    assert_eq!(messages(state.metrics(), 1, &endpoint, "malformed"), 6);
+    assert_eq!(gaps(state.metrics(), 1, &endpoint, "not_replayed"), 0);
+    assert_eq!(restarts(state.metrics(), 1, &endpoint), 0);
+    let text = state.render_metrics();
     assert!(
         text.contains(r#"kvroute_kv_events_total{type="stored",status="unknown_medium"} 2"#),
         "{text}"
@@ -479,7 +484,7 @@ async fn garbage_is_counted_and_the_listener_keeps_going() {
         text.contains(r#"kvroute_kv_events_total{type="stored",status="block_count_mismatch"} 2"#),
         "{text}"
     );
-    assert_eq!(state.ingest.active_listeners(), 1);
+    assert_eq!(state.ingest().active_listeners(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -489,13 +494,13 @@ async fn deleting_or_unscheduling_the_worker_stops_its_listener() {
     let mut engine = engine(false, Encoding::Array).await;
     let body = worker(1, &engine);
     register(&app, body.clone()).await;
-    assert_eq!(state.ingest.active_listeners(), 1);
+    assert_eq!(state.ingest().active_listeners(), 1);
     warm_up(&mut engine, &state, 1, 0).await;
     let endpoint = engine.pub_endpoint().to_string();
 
     // Re-posting the same worker keeps the running listener (and what it indexed).
     register(&app, body.clone()).await;
-    assert_eq!(state.ingest.active_listeners(), 1);
+    assert_eq!(state.ingest().active_listeners(), 1);
     let prompt = tokens(1, 1);
     engine
         .publish_stored(None, &prompt, BLOCK, None)
@@ -505,33 +510,36 @@ async fn deleting_or_unscheduling_the_worker_stops_its_listener() {
 
     let reply = app.delete("/workers/1").await;
     assert_eq!(reply.status, 200, "{}", reply.text);
-    eventually("listener stopped", || state.ingest.active_listeners() == 0).await;
+    eventually("listener stopped", || {
+        state.ingest().active_listeners() == 0
+    })
+    .await;
     assert_eq!(
-        listener_state(&state.metrics, 1, &endpoint),
+        listener_state(state.metrics(), 1, &endpoint),
         ListenerState::Stopped as i64
     );
 
     // Back again, then made unschedulable by a malformed endpoint.
     register(&app, body).await;
     eventually("listener restarted", || {
-        state.ingest.active_listeners() == 1
+        state.ingest().active_listeners() == 1
     })
     .await;
     let mut broken = worker(1, &engine);
     broken["kv_events_endpoint"] = json!("not-a-zmq-address");
     register(&app, broken).await;
     eventually("listener stopped again", || {
-        state.ingest.active_listeners() == 0
+        state.ingest().active_listeners() == 0
     })
     .await;
 
     // Shutdown stops everything and starts nothing new.
     register(&app, worker(2, &engine)).await;
-    eventually("second listener", || state.ingest.active_listeners() == 1).await;
-    state.ingest.shutdown();
-    eventually("all stopped", || state.ingest.active_listeners() == 0).await;
+    eventually("second listener", || state.ingest().active_listeners() == 1).await;
+    state.ingest().shutdown();
+    eventually("all stopped", || state.ingest().active_listeners() == 0).await;
     register(&app, worker(3, &engine)).await;
-    assert_eq!(state.ingest.active_listeners(), 0);
+    assert_eq!(state.ingest().active_listeners(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -552,7 +560,7 @@ async fn batch_rank_overrides_the_registered_rank() {
         }),
     )
     .await;
-    assert_eq!(state.ingest.active_listeners(), 2);
+    assert_eq!(state.ingest().active_listeners(), 2);
     // The rank-0 endpoint publishes batches that say they come from rank 1.
     rank0.set_data_parallel_rank(Some(1));
     warm_up(&mut rank0, &state, 7, 1).await;
@@ -585,7 +593,7 @@ async fn batch_rank_overrides_the_registered_rank() {
         device(&state, 7, 0, &stray) + device(&state, 7, 1, &stray),
         0
     );
-    let text = state.metrics.render(&state.selector.read());
+    let text = state.render_metrics();
     assert!(
         text.contains(r#"kvroute_kv_events_total{type="any",status="rank_out_of_range"} 1"#),
         "{text}"
@@ -630,7 +638,7 @@ async fn engine_coming_back_is_reconnected_and_its_restart_detected() {
         0,
         "the restart cleared the rank"
     );
-    assert_eq!(restarts(&state.metrics, 1, &address), 1);
+    assert_eq!(restarts(state.metrics(), 1, &address), 1);
 }
 
 /// An idle engine's connection is healthy: after it drops, the listener reconnects from the first
@@ -690,7 +698,7 @@ impl EventSink for SelectorSink {
 fn own_manager(state: &AppState, config: IngestConfig) -> (IngestManager, Arc<Metrics>) {
     let metrics = Arc::new(Metrics::new());
     let manager = IngestManager::with_config(
-        Arc::new(SelectorSink(Arc::clone(&state.selector))),
+        Arc::new(SelectorSink(Arc::clone(state.selector_for_tests()))),
         Arc::clone(&metrics),
         config,
     );
@@ -701,7 +709,7 @@ fn own_manager(state: &AppState, config: IngestConfig) -> (IngestManager, Arc<Me
 /// listen to it.
 fn listen_to(state: &AppState, manager: &IngestManager, engine: &FakeEngine) {
     let outcome = state
-        .selector
+        .selector_for_tests()
         .write()
         .upsert_worker(WorkerSpec {
             worker_id: 1,
@@ -927,9 +935,13 @@ async fn a_booking_is_predicted_until_the_engines_events_confirm_it() {
         .await;
     assert_eq!(booked.status, 200, "{}", booked.text);
     let w = booked.body["worker_id"].as_u64().unwrap();
-    assert_eq!(held(&state.selector, w, 0, &prompt), (4, 4, 4), "predicted");
+    assert_eq!(
+        held(state.selector_for_tests(), w, 0, &prompt),
+        (4, 4, 4),
+        "predicted"
+    );
     let sizes = || {
-        let sizes = state.selector.read().index_sizes();
+        let sizes = state.selector_for_tests().read().index_sizes();
         (sizes[0].1, sizes[0].2)
     };
     let predicted = sizes();
@@ -938,10 +950,15 @@ async fn a_booking_is_predicted_until_the_engines_events_confirm_it() {
         .await
         .unwrap();
     eventually("the engine's blocks confirm the prediction", || {
-        state.selector.read().prediction_counters().confirmed == 4
+        state
+            .selector_for_tests()
+            .read()
+            .prediction_counters()
+            .confirmed
+            == 4
     })
     .await;
-    assert_eq!(held(&state.selector, w, 0, &prompt), (4, 4, 4));
+    assert_eq!(held(state.selector_for_tests(), w, 0, &prompt), (4, 4, 4));
     assert_eq!(
         sizes(),
         predicted,
@@ -965,11 +982,11 @@ async fn a_booking_is_predicted_until_the_engines_events_confirm_it() {
         .await;
     assert_eq!(replay.status, 201, "{}", replay.text);
     eventually("the replay's prediction recorded", || {
-        held(&state.selector, wb, 0, &other) == (3, 3, 3)
+        held(state.selector_for_tests(), wb, 0, &other) == (3, 3, 3)
     })
     .await;
     state.tick(std::time::Instant::now() + Duration::from_secs(2));
-    assert_eq!(held(&state.selector, wb, 0, &other), (0, 0, 0));
+    assert_eq!(held(state.selector_for_tests(), wb, 0, &other), (0, 0, 0));
     let metrics = app.get("/metrics").await.text;
     assert_eq!(
         [
@@ -1069,7 +1086,7 @@ async fn multimodal_prompts_match_only_the_cache_of_their_own_images() {
         let reply = app.post("/select", other).await;
         assert_eq!(reply.body["overlap"]["gpu"], 0, "{}", reply.text);
         let endpoint = engine.pub_endpoint().to_string();
-        assert_eq!(messages(&state.metrics, 1, &endpoint, "malformed"), 0);
+        assert_eq!(messages(state.metrics(), 1, &endpoint, "malformed"), 0);
         assert_eq!(app.delete("/workers/1").await.status, 200);
     }
 }

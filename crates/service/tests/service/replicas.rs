@@ -73,7 +73,7 @@ fn worker(worker_id: u64) -> Value {
 /// `(worker, rank) → (prefill tokens, decode blocks, requests)` as `/loads` reports them.
 fn loads(state: &AppState) -> BTreeMap<(u64, u32), (u64, u64, u64)> {
     state
-        .selector
+        .selector_for_tests()
         .read()
         .loads(None, None)
         .into_iter()
@@ -97,7 +97,7 @@ fn total_requests(state: &AppState) -> u64 {
 
 fn workers(state: &AppState) -> Vec<u64> {
     state
-        .selector
+        .selector_for_tests()
         .read()
         .list_workers(None, None)
         .iter()
@@ -135,7 +135,7 @@ async fn metric(replica: &Replica, prefix: &str) -> f64 {
 }
 
 fn sorted_remote(state: &AppState) -> Vec<(String, String)> {
-    let mut remote = state.selector.read().remote_bookings();
+    let mut remote = state.selector_for_tests().read().remote_bookings();
     remote.sort();
     remote
 }
@@ -375,7 +375,7 @@ async fn bookings_are_republished_to_a_server_that_lost_its_store() {
 }
 
 fn device_blocks(state: &AppState, worker_id: u64, prompt: &[u32]) -> u32 {
-    let selector = state.selector.read();
+    let selector = state.selector_for_tests().read();
     selector
         .overlap_scores(
             &PartitionKey::new(MODEL, "default"),
@@ -432,7 +432,7 @@ async fn a_restarted_replica_recovers_its_bookings_and_the_index() {
     assert_eq!(a.app.post("/workers", worker(2)).await.status, 201);
     eventually("catalog", || workers(b.state()) == vec![1, 2]).await;
     assert_eq!(
-        b.state().ingest.active_listeners(),
+        b.state().ingest().active_listeners(),
         0,
         "with the relay, only the registering replica opens the engine's stream"
     );
@@ -471,7 +471,7 @@ async fn a_restarted_replica_recovers_its_bookings_and_the_index() {
     );
     assert_eq!(loads(b.state()), before, "bookings recovered");
     assert_eq!(device_blocks(b.state(), 1, &prompt), 10, "index recovered");
-    assert_eq!(b.state().ingest.active_listeners(), 0);
+    assert_eq!(b.state().ingest().active_listeners(), 0);
     free(&b, "b1").await;
     eventually("B's own recovered booking freed everywhere", || {
         total_requests(a.state()) == 1
@@ -488,7 +488,7 @@ async fn a_restarted_replica_recovers_its_bookings_and_the_index() {
     );
     assert_eq!(total_requests(a.state()), 1);
     assert_eq!(device_blocks(a.state(), 1, &prompt), 10);
-    assert_eq!(a.state().ingest.active_listeners(), 1);
+    assert_eq!(a.state().ingest().active_listeners(), 1);
     free(&a, "a1").await;
     eventually("A's own recovered booking freed everywhere", || {
         total_requests(b.state()) == 0
@@ -547,7 +547,12 @@ async fn herd(nats: Option<&Nats>, workers: u64, requests: u32) -> (u64, u64) {
         }
     }
     eventually("catalog", || {
-        workers as usize == b.state.selector.read().list_workers(None, None).len()
+        workers as usize
+            == b.state
+                .selector_for_tests()
+                .read()
+                .list_workers(None, None)
+                .len()
     })
     .await;
     // Worker 1 served the popular prefix recently: both replicas predict it cached there (their
@@ -572,7 +577,7 @@ async fn herd(nats: Option<&Nats>, workers: u64, requests: u32) -> (u64, u64) {
     }
     let mut per_worker: BTreeMap<u64, u64> = (1..=workers).map(|w| (w, 0)).collect();
     for app in [&a, &b] {
-        for (_, booking) in app.state.selector.read().local_bookings() {
+        for (_, booking) in app.state.selector_for_tests().read().local_bookings() {
             *per_worker.entry(booking.worker_id).or_default() += 1;
         }
     }
@@ -612,7 +617,7 @@ async fn replicas_learn_their_place_among_each_other_from_shared_bookings() {
     eventually("B knows worker 1", || workers(b.state()) == vec![1]).await;
     let spread_of = |r: &Replica| {
         r.state().tick(Instant::now());
-        r.state().selector.read().replica_spread()
+        r.state().selector_for_tests().read().replica_spread()
     };
     assert_eq!((spread_of(&a), spread_of(&b)), (None, None));
     book(&a, "from-a", 1, &tokens(0, 16)).await;
@@ -739,7 +744,7 @@ async fn worker_taints_travel_with_the_catalog() {
     assert_eq!(reply.body["taints"], json!(["gpu=a100"]), "{}", reply.text);
     eventually("the PATCH travels", || {
         b.state()
-            .selector
+            .selector_for_tests()
             .read()
             .worker(2)
             .is_some_and(|r| r.spec.taints.contains("gpu=a100"))
@@ -758,7 +763,10 @@ fn bound(replica: &Replica, session: &str) -> Option<(u64, u32)> {
     let key =
         kvroute_core::selector::SessionKey::new(&PartitionKey::new(MODEL, "default"), session);
     let state = replica.state();
-    let binding = state.selector.read().session_binding(&key, state.now());
+    let binding = state
+        .selector_for_tests()
+        .read()
+        .session_binding(&key, state.now());
     binding.map(|b| (b.rank.worker_id, b.rank.dp_rank))
 }
 
@@ -767,7 +775,10 @@ fn idle(replica: &Replica, session: &str) -> bool {
     let key =
         kvroute_core::selector::SessionKey::new(&PartitionKey::new(MODEL, "default"), session);
     let state = replica.state();
-    let binding = state.selector.read().session_binding(&key, state.now());
+    let binding = state
+        .selector_for_tests()
+        .read()
+        .session_binding(&key, state.now());
     binding.is_some_and(|b| b.idle_until.is_some())
 }
 

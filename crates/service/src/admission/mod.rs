@@ -1,42 +1,49 @@
-//! `/select` and `/select_and_reserve` through the admission queue (`crate::queue`): decided at
-//! once, or waiting until capacity frees, their timeout passes, their client leaves or the
-//! service stops.
+//! Admission: `/select` and `/select_and_reserve` decided at once, or waiting until capacity
+//! frees, their timeout passes, their client leaves or the service stops.
+//!
+//! The select path runs downhill through it: the handler → `api::select` (parse, hash) →
+//! [`admit`] (here: decide now, or queue) → [`decide`] (select, book). Waiting requests are
+//! released by the admission task ([`release`]), which a change that may free capacity wakes
+//! (`AppState::changed`); no caller drains the queue in its own context.
+//!
+//! - [`queue`]: what waits, per partition (the data, below the state that holds it).
+//! - [`release`]: the admission task: decides waiting requests while their ranks have room.
+//! - [`decide`]: a request decided: selected, or selected and booked.
 //!
 //! Lock order: the queue's mutex, then the selector's lock; never the other way. A waiting
-//! request is decided (and booked) by [`admit_waiting`] under the queue's mutex, then its answer
-//! is sent; a [`Waiter`] that goes away takes its ticket out under the same mutex, or finds its
-//! answer already sent and frees the booking made for it. So each request is decided at most
-//! once and no booking outlives a client that left.
+//! request is decided (and booked) under the queue's mutex, then its answer is sent; a [`Waiter`]
+//! that goes away takes its ticket out under the same mutex, or finds its answer already sent
+//! and frees the booking made for it. So each request is decided at most once and no booking
+//! outlives a client that left.
 
-use super::{ApiResult, decide_select, decide_select_and_reserve, free_booking, resolve_select};
+pub mod decide;
+pub mod queue;
+pub mod release;
+
 use crate::error::ApiError;
-use crate::queue::{
-    DEFAULT_TENANT, Decision, Queued, QueuedRoute, ResolvedSelect, SHUTTING_DOWN, order_of,
-};
 use crate::state::AppState;
 use crate::types::SelectBody;
 use axum::http::StatusCode;
 use kvroute_core::admission::{QueueError, Ticket};
 use kvroute_core::error::{PartitionKey, check_id};
+use queue::{DEFAULT_TENANT, Decision, Queued, ResolvedSelect, Routed, SHUTTING_DOWN, order_of};
+use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
-/// The most requests one release decides before it lets others at the queue.
-const MAX_DECIDED_PER_RELEASE: usize = 4_096;
-
-/// A request's fate at arrival.
+/// A request's fate at arrival; `T` is its route's answer (`Selection` or `Booked`).
 #[derive(Debug)]
-pub enum Admission {
+pub enum Admission<T> {
     /// Decided (answered, or refused) at once.
-    Decided(ApiResult),
+    Decided(Result<T, ApiError>),
     /// Waiting in the queue: await [`Waiter::wait`] (dropping it leaves the queue).
-    Waiting(Waiter),
+    Waiting(Waiter<T>),
 }
 
-impl Admission {
+impl<T: Routed> Admission<T> {
     /// The answer, waiting for it if need be.
-    pub async fn answer(self) -> ApiResult {
+    pub async fn answer(self) -> Result<T, ApiError> {
         match self {
             Admission::Decided(result) => result,
             Admission::Waiting(waiter) => waiter.wait().await,
@@ -45,28 +52,10 @@ impl Admission {
 
     /// The answer if it was decided at once (always, without `--queue-threshold`); `None` for a
     /// waiting request, which leaves the queue.
-    pub fn decided(self) -> Option<ApiResult> {
+    pub fn decided(self) -> Option<Result<T, ApiError>> {
         match self {
             Admission::Decided(result) => Some(result),
             Admission::Waiting(_) => None,
-        }
-    }
-}
-
-fn decide(
-    state: &AppState,
-    route: QueuedRoute,
-    resolved: &ResolvedSelect,
-    body: &SelectBody,
-) -> Decision {
-    match route {
-        QueuedRoute::Select => Decision {
-            result: decide_select(state, resolved, body),
-            booked: None,
-        },
-        QueuedRoute::SelectAndReserve => {
-            let (result, booked) = decide_select_and_reserve(state, resolved, body);
-            Decision { result, booked }
         }
     }
 }
@@ -77,27 +66,47 @@ fn too_many(state: &AppState, message: String) -> ApiError {
     ApiError::new(StatusCode::TOO_MANY_REQUESTS, message).with_retry_after(secs)
 }
 
-/// `POST /select` (`route` Select) or `POST /select_and_reserve`: hashes the prompt, then decides
-/// at once or queues it. `tenant` (`x-tenant-id`) shares the queue fairly with other tenants.
-pub fn admit(
+fn shutting_down() -> ApiError {
+    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, SHUTTING_DOWN)
+}
+
+/// A request decided now, as its route's answer.
+fn decide_now<T: Routed>(
+    state: &AppState,
+    resolved: &ResolvedSelect,
+    body: &SelectBody,
+) -> Admission<T> {
+    Admission::Decided(answer_of(decide::decide(state, T::ROUTE, resolved, body)))
+}
+
+/// A decision as the answer of route `T`.
+fn answer_of<T: Routed>(decision: Decision) -> Result<T, ApiError> {
+    decision.result.and_then(|decided| {
+        // A request is decided for the route it came by: `decide` is given `T::ROUTE`.
+        T::from_decided(decided).ok_or_else(|| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "a request was decided for another route",
+            )
+        })
+    })
+}
+
+/// `POST /select` (`T` = `Selection`) or `POST /select_and_reserve` (`T` = `Booked`), its
+/// prompt hashed: decides at once or queues it. `tenant` (`x-tenant-id`) shares the queue
+/// fairly with other tenants.
+pub fn admit<T: Routed>(
     state: &Arc<AppState>,
-    route: QueuedRoute,
-    mut body: SelectBody,
+    resolved: ResolvedSelect,
+    body: SelectBody,
     tenant: Option<&str>,
-) -> Admission {
-    let resolved = match resolve_select(state, &mut body) {
-        Ok(r) => r,
-        Err(e) => return Admission::Decided(Err(e)),
-    };
-    let decide_now = |resolved: &ResolvedSelect, body: &SelectBody| {
-        Admission::Decided(decide(state, route, resolved, body).result)
-    };
+) -> Admission<T> {
     let Some(settings) = state.queues.settings() else {
-        return decide_now(&resolved, &body);
+        return decide_now(state, &resolved, &body);
     };
     // Advisory selects never wait, as in Dynamo.
-    if route == QueuedRoute::Select && body.advisory {
-        return decide_now(&resolved, &body);
+    if T::ROUTE == queue::Route::Select && body.advisory {
+        return decide_now(state, &resolved, &body);
     }
     if let Some(t) = tenant
         && let Err(e) = check_id("x-tenant-id", t)
@@ -116,10 +125,7 @@ pub fn admit(
     let key = resolved.key.clone();
     let mut inner = state.queues.lock();
     if inner.is_shut() {
-        return Admission::Decided(Err(ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            SHUTTING_DOWN,
-        )));
+        return Admission::Decided(Err(shutting_down()));
     }
     if let Some(id) = &body.selection_id
         && inner.holds_id(&key, id)
@@ -134,13 +140,13 @@ pub fn admit(
         // What selecting answers now (no such worker, shutting down): decided, not queued.
         Err(_) => {
             drop(inner);
-            return decide_now(&resolved, &body);
+            return decide_now(state, &resolved, &body);
         }
         Ok(p) => p,
     };
     if !probe.full && !inner.holds_back(&key) {
         drop(inner);
-        return decide_now(&resolved, &body);
+        return decide_now(state, &resolved, &body);
     }
     let order = order_of(
         &body,
@@ -151,7 +157,7 @@ pub fn admit(
     );
     let (reply, rx) = oneshot::channel();
     let queued = Queued {
-        route,
+        route: T::ROUTE,
         body,
         resolved,
         reply,
@@ -173,14 +179,15 @@ pub fn admit(
                 state: Arc::clone(state),
                 key,
                 ticket,
-                route,
                 rx: Some(rx),
                 deadline: timeout.map(|t| tokio::time::Instant::now() + t),
                 timeout,
                 since: Instant::now(),
+                answer: PhantomData,
             };
+            release::ensure_running(state);
             // Capacity may have freed between the probe and now.
-            admit_waiting(state);
+            state.queues.wake();
             Admission::Waiting(waiter)
         }
     }
@@ -195,7 +202,7 @@ fn id_held(id: &str) -> ApiError {
 
 /// 409 when a waiting request holds `selection_id` in `key` (a booking of it would race the
 /// queued one).
-pub(super) fn check_id_not_queued(
+pub fn check_id_not_queued(
     state: &AppState,
     key: &PartitionKey,
     selection_id: Option<&str>,
@@ -211,35 +218,31 @@ pub(super) fn check_id_not_queued(
 /// A request waiting in the queue. Dropping it before its answer leaves the queue (a client
 /// that disconnected, a cancelled Python awaitable); if it was decided meanwhile, what was
 /// booked for it is freed.
-pub struct Waiter {
+pub struct Waiter<T> {
     state: Arc<AppState>,
     key: PartitionKey,
     ticket: Ticket,
-    route: QueuedRoute,
     rx: Option<oneshot::Receiver<Decision>>,
     deadline: Option<tokio::time::Instant>,
     timeout: Option<Duration>,
     since: Instant,
+    answer: PhantomData<fn() -> T>,
 }
 
-impl std::fmt::Debug for Waiter {
+impl<T> std::fmt::Debug for Waiter<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Waiter")
             .field("partition", &self.key)
             .field("ticket", &self.ticket)
-            .field("route", &self.route)
             .finish()
     }
 }
 
-impl Waiter {
+impl<T: Routed> Waiter<T> {
     /// Waits for the decision, or the request's timeout (429).
-    pub async fn wait(mut self) -> ApiResult {
+    pub async fn wait(mut self) -> Result<T, ApiError> {
         let Some(rx) = self.rx.as_mut() else {
-            return Err(ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                SHUTTING_DOWN,
-            ));
+            return Err(shutting_down());
         };
         let decision = match self.deadline {
             None => rx.await,
@@ -269,22 +272,14 @@ impl Waiter {
         };
         self.rx = None;
         match decision {
-            Ok(d) => d.result,
+            Ok(d) => answer_of(d),
             // Never dropped unanswered; the service's end is the only way it could be.
-            Err(_) => Err(ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                SHUTTING_DOWN,
-            )),
+            Err(_) => Err(shutting_down()),
         }
-    }
-
-    /// Which route the request came by.
-    pub fn route(&self) -> QueuedRoute {
-        self.route
     }
 }
 
-impl Drop for Waiter {
+impl<T> Drop for Waiter<T> {
     fn drop(&mut self) {
         let Some(mut rx) = self.rx.take() else {
             return;
@@ -302,99 +297,7 @@ impl Drop for Waiter {
             booked: Some(id), ..
         }) = rx.try_recv()
         {
-            let _ = free_booking(&self.state, &id);
-            admit_waiting(&self.state);
+            decide::free_unread(&self.state, &id);
         }
     }
-}
-
-/// Decides waiting requests while the next one's ranks have room, in every partition. Called
-/// after every change that may free capacity (a prefill completes, a booking is freed, a
-/// worker changes) and periodically.
-pub fn admit_waiting(state: &AppState) {
-    // Freeing the bookings of clients that left frees capacity again: a few more passes.
-    for _ in 0..16 {
-        let unread = admit_pass(state);
-        if unread.is_empty() {
-            return;
-        }
-        for id in unread {
-            let _ = free_booking(state, &id);
-        }
-    }
-}
-
-/// One pass over the partitions; the bookings made for clients gone meanwhile.
-fn admit_pass(state: &AppState) -> Vec<String> {
-    let Some(settings) = state.queues.settings() else {
-        return Vec::new();
-    };
-    let threshold = settings.threshold;
-    let mut unread = Vec::new();
-    let mut inner = state.queues.lock();
-    for key in inner.keys() {
-        for _ in 0..MAX_DECIDED_PER_RELEASE {
-            let now = state.now();
-            let Some(head) = inner.peek(&key, now) else {
-                break;
-            };
-            let full = state
-                .selector
-                .read()
-                .queue_probe(&head.resolved.request(&head.body, false), threshold)
-                .is_ok_and(|p| p.full);
-            // Head of line: while the next request's ranks are full, nothing behind it goes.
-            if full {
-                break;
-            }
-            let Some(queued) = inner.pop(&key, now) else {
-                break;
-            };
-            let decision = decide(state, queued.route, &queued.resolved, &queued.body);
-            state
-                .metrics
-                .queue
-                .observe_wait("admitted", queued.since.elapsed().as_secs_f64());
-            if let Err(Decision {
-                booked: Some(id), ..
-            }) = queued.reply.send(decision)
-            {
-                unread.push(id);
-            }
-        }
-    }
-    unread
-}
-
-/// Releases waiting requests every 50 ms as well, for capacity freed by what calls no route
-/// (another replica's bookings, expired bookings); returns at once without a queue.
-pub async fn run_admission(state: Arc<AppState>) {
-    if state.queues.settings().is_none() {
-        return;
-    }
-    let mut interval = tokio::time::interval(Duration::from_millis(50));
-    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    while !state.is_shutting_down() {
-        interval.tick().await;
-        admit_waiting(&state);
-    }
-}
-
-/// Sets the queue-depth gauges from what waits now.
-pub fn observe_queue(state: &AppState) {
-    if state.queues.settings().is_none() {
-        return;
-    }
-    let snapshot = state.queues.snapshot();
-    state
-        .metrics
-        .queue
-        .set_depths(snapshot.iter().map(|(key, q)| {
-            (
-                key.model_name.as_str(),
-                key.routing_group.as_str(),
-                q.isl_tokens,
-                q.tenants.iter().map(|(t, n)| (t.as_str(), *n)).collect(),
-            )
-        }));
 }

@@ -1,14 +1,16 @@
-//! The admission queue of the service (issue 31): `/select` and `/select_and_reserve` wait here
-//! while every rank they may go to is over `--queue-threshold` × its `max_num_batched_tokens` of
-//! active prefill, and are decided when capacity frees (`api::admit`).
+//! The admission queue's data: what waits, per partition. `/select` and `/select_and_reserve`
+//! wait here while every rank they may go to is over `--queue-threshold` × its
+//! `max_num_batched_tokens` of active prefill ([`super`] decides when).
 //!
 //! One [`AdmissionQueue`] per partition (its order: `--queue-policy`, `priority_jump`,
 //! `strict_priority`, aging, and deficit round robin between tenants), all behind one mutex
 //! that is always taken **before** the selector's lock, never while holding it. A waiting
-//! request holds a oneshot sender; the decision is made (and booked) under the mutex by whoever
-//! releases it, then sent, so a request is decided exactly once: a waiter that leaves (timeout,
-//! client gone, cancelled) takes its ticket out under the same mutex, or, if it was decided
-//! already, finds the answer in its channel and frees what was booked (`api::admit`).
+//! request holds a oneshot sender; the decision is made (and booked) under the mutex by the
+//! admission task, then sent, so a request is decided exactly once: a waiter that leaves
+//! (timeout, client gone, cancelled) takes its ticket out under the same mutex, or, if it was
+//! decided already, finds the answer in its channel and frees what was booked.
+//!
+//! This module sits below the service's state, which holds it; it knows nothing of the state.
 
 use crate::error::ApiError;
 use crate::types::SelectBody;
@@ -16,12 +18,12 @@ use kvroute_core::admission::{AdmissionQueue, QueueConfig, QueueError, QueueOrde
 use kvroute_core::error::PartitionKey;
 use kvroute_core::hash::PromptHashes;
 use kvroute_core::schedule::Overrides;
-use kvroute_core::selector::{Prompt, RoutingConstraints, SelectRequest};
+use kvroute_core::selector::{Prompt, Reservation, RoutingConstraints, SelectRequest, Selection};
 use parking_lot::{Mutex, MutexGuard};
-use serde_json::Value;
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
-use tokio::sync::oneshot;
+use tokio::sync::{Notify, oneshot};
 
 /// The answer of every waiting request when the service stops.
 pub const SHUTTING_DOWN: &str = "selection service is shutting down";
@@ -60,18 +62,61 @@ impl ResolvedSelect {
 
 /// Which route a waiting request came by.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum QueuedRoute {
+pub enum Route {
     /// `/select`: decided, it books nothing (its selection may be cached for a replay).
     Select,
     /// `/select_and_reserve`: decided, it is booked.
     SelectAndReserve,
 }
 
-impl QueuedRoute {
+impl Route {
     pub fn name(self) -> &'static str {
         match self {
-            QueuedRoute::Select => "select",
-            QueuedRoute::SelectAndReserve => "select_and_reserve",
+            Route::Select => "select",
+            Route::SelectAndReserve => "select_and_reserve",
+        }
+    }
+}
+
+/// A `/select_and_reserve` decided: the selection and the booking made for it.
+#[derive(Debug, Clone)]
+pub struct Booked {
+    pub selection: Selection,
+    pub reservation: Reservation,
+}
+
+/// What deciding a request gave, by its route.
+#[derive(Debug)]
+pub enum Decided {
+    Selected(Selection),
+    Booked(Booked),
+}
+
+/// The typed answer of a route: [`Selection`] for [`Route::Select`], [`Booked`] for
+/// [`Route::SelectAndReserve`]. The route is chosen by the answer's type, so a caller cannot
+/// ask one route and read the other's answer.
+pub trait Routed: Sized {
+    const ROUTE: Route;
+    /// The answer out of what was decided; `None` only if it was decided for the other route.
+    fn from_decided(decided: Decided) -> Option<Self>;
+}
+
+impl Routed for Selection {
+    const ROUTE: Route = Route::Select;
+    fn from_decided(decided: Decided) -> Option<Self> {
+        match decided {
+            Decided::Selected(selection) => Some(selection),
+            Decided::Booked(_) => None,
+        }
+    }
+}
+
+impl Routed for Booked {
+    const ROUTE: Route = Route::SelectAndReserve;
+    fn from_decided(decided: Decided) -> Option<Self> {
+        match decided {
+            Decided::Booked(booked) => Some(booked),
+            Decided::Selected(_) => None,
         }
     }
 }
@@ -80,14 +125,14 @@ impl QueuedRoute {
 /// waiter is gone).
 #[derive(Debug)]
 pub struct Decision {
-    pub result: Result<Value, ApiError>,
+    pub result: Result<Decided, ApiError>,
     pub booked: Option<String>,
 }
 
 /// A request waiting for its decision.
 #[derive(Debug)]
 pub struct Queued {
-    pub route: QueuedRoute,
+    pub route: Route,
     pub body: SelectBody,
     pub resolved: ResolvedSelect,
     pub reply: oneshot::Sender<Decision>,
@@ -129,6 +174,10 @@ pub struct QueueSettings {
 pub struct SelectionQueues {
     settings: Option<QueueSettings>,
     inner: Mutex<Inner>,
+    /// Wakes the admission task: capacity may have freed, or a request joined.
+    wake: Notify,
+    /// Whether the admission task was started (at the first request that waits).
+    task_started: AtomicBool,
 }
 
 #[derive(Debug, Default)]
@@ -156,7 +205,27 @@ impl SelectionQueues {
         Self {
             settings,
             inner: Mutex::new(Inner::default()),
+            wake: Notify::new(),
+            task_started: AtomicBool::new(false),
         }
+    }
+
+    /// True once: for the caller that is to start the admission task.
+    pub fn claim_task(&self) -> bool {
+        !self.task_started.swap(true, Ordering::SeqCst)
+    }
+
+    /// Asks the admission task for a pass over the queues (a no-op without a queue). A wake
+    /// while the task is busy is kept, so none is lost.
+    pub fn wake(&self) {
+        if self.settings.is_some() {
+            self.wake.notify_one();
+        }
+    }
+
+    /// Returns at the next [`SelectionQueues::wake`] (or at once for one made meanwhile).
+    pub async fn woken(&self) {
+        self.wake.notified().await;
     }
 
     /// The queue's settings; `None`: requests never wait.
