@@ -5,9 +5,10 @@
 //! exception classes, the typed stubs and `py.typed`).
 //!
 //! - [`service::SelectionService`]: the selection service in process, a drop-in for Dynamo's
-//!   `SelectionService`. Each method turns its dict into the HTTP body type and calls the same
-//!   `kvroute_service::api` function as the HTTP handler, so semantics, error statuses and
-//!   texts are identical; only the transport differs.
+//!   `SelectionService`. Each method turns its dict into the HTTP body type, calls the same
+//!   operation as the HTTP handler through the `kvroute_service::Service` handle, and renders
+//!   its typed result ([`render`], the HTTP shapes), so semantics, error statuses and texts are
+//!   identical; only the transport differs.
 //! - [`index::RadixIndex`] and [`index::block_hashes`]: the core's radix index and hashing.
 //! - [`errors`]: the one mapping from failures to Python exceptions.
 //!

@@ -335,7 +335,7 @@ pub struct AppState {
     /// Replica sync hooks (no-ops without `--nats-url`).
     pub(crate) sync: crate::sync::SyncHandle,
     /// The admission queue (`--queue-threshold`); never holds anything without it.
-    pub(crate) queues: crate::admission::queue::SelectionQueues,
+    pub(crate) admission: crate::admission::queue::AdmissionQueues,
     shutting_down: AtomicBool,
     /// How far [`AppState::now`] runs ahead of the monotonic clock, in nanoseconds.
     clock_ahead_nanos: AtomicU64,
@@ -345,7 +345,7 @@ impl AppState {
     /// Builds the state from a validated configuration (the message names a bad knob).
     pub fn new(config: ServeConfig) -> Result<Arc<Self>, String> {
         let selector_config = config.validate()?;
-        let queues = crate::admission::queue::SelectionQueues::new(config.queue_settings()?);
+        let admission = crate::admission::queue::AdmissionQueues::new(config.queue_settings()?);
         let selector = Arc::new(RwLock::new(Selector::new(selector_config)));
         let metrics = Arc::new(Metrics::new());
         let (queue, receiver) = std::sync::mpsc::sync_channel(APPLY_QUEUE);
@@ -386,7 +386,7 @@ impl AppState {
             config,
             ingest,
             sync,
-            queues,
+            admission,
             shutting_down: AtomicBool::new(false),
             clock_ahead_nanos: AtomicU64::new(0),
         }))
@@ -414,13 +414,13 @@ impl AppState {
             } => {
                 self.sync_listeners(record, events_changed);
                 self.sync.catalog_changed(record.spec.worker_id);
-                self.queues.wake();
+                self.admission.wake();
             }
             Change::WorkerDeleted(worker_id) => {
                 self.ingest.remove_worker(worker_id);
                 self.sync.catalog_changed(worker_id);
                 self.share_session_changes();
-                self.queues.wake();
+                self.admission.wake();
             }
             Change::Booked(id) => {
                 self.sync.booking_changed(id);
@@ -429,17 +429,17 @@ impl AppState {
             Change::BookingRefused => self.share_session_changes(),
             Change::PrefillCompleted(id) => {
                 self.sync.booking_changed(id);
-                self.queues.wake();
+                self.admission.wake();
             }
             Change::OutputBlock(id) => self.sync.output_block(id),
             Change::Freed(id) => {
                 self.sync.booking_changed(id);
                 self.share_session_changes();
-                self.queues.wake();
+                self.admission.wake();
             }
             Change::Expired => {
                 self.share_session_changes();
-                self.queues.wake();
+                self.admission.wake();
             }
         }
     }
@@ -496,7 +496,7 @@ impl AppState {
     pub fn begin_shutdown(&self) {
         self.shutting_down.store(true, Ordering::SeqCst);
         // Every waiting request is answered 503 before the selector stops; none is decided.
-        let waiting = self.queues.lock().drain();
+        let waiting = self.admission.lock().drain();
         for queued in waiting {
             self.metrics
                 .queue

@@ -62,7 +62,7 @@ impl<T: Routed> Admission<T> {
 
 /// 429 with the queue's `Retry-After`.
 fn too_many(state: &AppState, message: String) -> ApiError {
-    let secs = state.queues.settings().map_or(1, |s| s.retry_after_secs);
+    let secs = state.admission.settings().map_or(1, |s| s.retry_after_secs);
     ApiError::new(StatusCode::TOO_MANY_REQUESTS, message).with_retry_after(secs)
 }
 
@@ -101,7 +101,7 @@ pub fn admit<T: Routed>(
     body: SelectBody,
     tenant: Option<&str>,
 ) -> Admission<T> {
-    let Some(settings) = state.queues.settings() else {
+    let Some(settings) = state.admission.settings() else {
         return decide_now(state, &resolved, &body);
     };
     // Advisory selects never wait, as in Dynamo.
@@ -123,7 +123,7 @@ pub fn admit<T: Routed>(
         None => settings.core.timeout,
     };
     let key = resolved.key.clone();
-    let mut inner = state.queues.lock();
+    let mut inner = state.admission.lock();
     if inner.is_shut() {
         return Admission::Decided(Err(shutting_down()));
     }
@@ -187,7 +187,7 @@ pub fn admit<T: Routed>(
             };
             release::ensure_running(state);
             // Capacity may have freed between the probe and now.
-            state.queues.wake();
+            state.admission.wake();
             Admission::Waiting(waiter)
         }
     }
@@ -208,7 +208,9 @@ pub fn check_id_not_queued(
     selection_id: Option<&str>,
 ) -> Result<(), ApiError> {
     match selection_id {
-        Some(id) if state.queues.settings().is_some() && state.queues.lock().holds_id(key, id) => {
+        Some(id)
+            if state.admission.settings().is_some() && state.admission.lock().holds_id(key, id) =>
+        {
             Err(id_held(id))
         }
         _ => Ok(()),
@@ -249,7 +251,7 @@ impl<T: Routed> Waiter<T> {
             Some(deadline) => match tokio::time::timeout_at(deadline, &mut *rx).await {
                 Ok(decision) => decision,
                 Err(_) => {
-                    let gone = self.state.queues.lock().remove(&self.key, self.ticket);
+                    let gone = self.state.admission.lock().remove(&self.key, self.ticket);
                     if gone.is_some() {
                         self.rx = None;
                         let waited = self.since.elapsed();
@@ -284,7 +286,7 @@ impl<T> Drop for Waiter<T> {
         let Some(mut rx) = self.rx.take() else {
             return;
         };
-        let gone = self.state.queues.lock().remove(&self.key, self.ticket);
+        let gone = self.state.admission.lock().remove(&self.key, self.ticket);
         if gone.is_some() {
             self.state
                 .metrics

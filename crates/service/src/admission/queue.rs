@@ -171,7 +171,7 @@ pub struct QueueSettings {
 
 /// Every partition's queue.
 #[derive(Debug)]
-pub struct SelectionQueues {
+pub struct AdmissionQueues {
     settings: Option<QueueSettings>,
     inner: Mutex<Inner>,
     /// Wakes the admission task: capacity may have freed, or a request joined.
@@ -200,7 +200,7 @@ pub struct PartitionQueue {
     pub tenants: BTreeMap<String, usize>,
 }
 
-impl SelectionQueues {
+impl AdmissionQueues {
     pub fn new(settings: Option<QueueSettings>) -> Self {
         Self {
             settings,
@@ -223,7 +223,7 @@ impl SelectionQueues {
         }
     }
 
-    /// Returns at the next [`SelectionQueues::wake`] (or at once for one made meanwhile).
+    /// Returns at the next [`AdmissionQueues::wake`] (or at once for one made meanwhile).
     pub async fn woken(&self) {
         self.wake.notified().await;
     }

@@ -18,7 +18,7 @@ const MAX_DECIDED_PER_RELEASE: usize = 4_096;
 /// whose requests never wait never starts it. Needs a tokio runtime (every caller that can
 /// await a `Waiter` has one).
 pub fn ensure_running(state: &Arc<AppState>) {
-    if state.queues.claim_task() {
+    if state.admission.claim_task() {
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
                 runtime.spawn(run_admission(Arc::clone(state)));
@@ -30,14 +30,14 @@ pub fn ensure_running(state: &Arc<AppState>) {
 
 /// Runs the admission task until the service stops; returns at once without a queue.
 async fn run_admission(state: Arc<AppState>) {
-    if state.queues.settings().is_none() {
+    if state.admission.settings().is_none() {
         return;
     }
     let mut interval = tokio::time::interval(Duration::from_millis(50));
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     while !state.is_shutting_down() {
         tokio::select! {
-            _ = state.queues.woken() => {}
+            _ = state.admission.woken() => {}
             _ = interval.tick() => {}
         }
         release(&state);
@@ -47,13 +47,13 @@ async fn run_admission(state: Arc<AppState>) {
 /// One pass over the partitions: decides waiting requests while the next one's ranks have
 /// room, then frees the bookings made for clients gone meanwhile (which wakes the task again).
 fn release(state: &AppState) {
-    let Some(settings) = state.queues.settings() else {
+    let Some(settings) = state.admission.settings() else {
         return;
     };
     let threshold = settings.threshold;
     let mut unread = Vec::new();
     {
-        let mut inner = state.queues.lock();
+        let mut inner = state.admission.lock();
         for key in inner.keys() {
             for _ in 0..MAX_DECIDED_PER_RELEASE {
                 let now = state.now();
@@ -93,10 +93,10 @@ fn release(state: &AppState) {
 
 /// Sets the queue-depth gauges from what waits now.
 pub fn observe_queue(state: &AppState) {
-    if state.queues.settings().is_none() {
+    if state.admission.settings().is_none() {
         return;
     }
-    let snapshot = state.queues.snapshot();
+    let snapshot = state.admission.snapshot();
     state
         .metrics
         .queue

@@ -155,7 +155,7 @@ impl Service {
 
     /// Whether requests wait in an admission queue (`--queue-threshold`).
     pub fn queues_requests(&self) -> bool {
-        self.state.queues.settings().is_some()
+        self.state.admission.settings().is_some()
     }
 
     // -- Metrics and lifecycle

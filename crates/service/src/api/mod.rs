@@ -4,7 +4,8 @@
 //! HTTP layer (`http::render`) and the Python binding's own renderer. In-process callers (the
 //! gateway, Python) use the [`Service`] handle; the HTTP handlers call these functions.
 //!
-//! - [`select`]: `/select` and `/select_and_reserve`: the prompt hashed, then admission.
+//! - [`select`](mod@select): `/select` and `/select_and_reserve`: the prompt hashed, then
+//!   admission.
 //! - [`handle`]: [`Service`], the one handle of in-process callers.
 //!
 //! Every change's follow-ups (replica sync, sessions, listeners, admission) run from
@@ -235,9 +236,9 @@ pub fn loads(
     routing_group: Option<&str>,
 ) -> Vec<PartitionLoads> {
     let mut loads = state.selector.read().loads(model_name, routing_group);
-    if state.queues.settings().is_some() {
+    if state.admission.settings().is_some() {
         // Dynamo's pending_count / pending_isl_tokens: what waits in the partition's queue.
-        let waiting = state.queues.snapshot();
+        let waiting = state.admission.snapshot();
         for partition in &mut loads {
             if let Some(q) = waiting.get(&partition.partition) {
                 partition.pending_count = q.count as u64;
