@@ -541,7 +541,8 @@ impl AppState {
 
 #[cfg(test)]
 mod tests {
-    use super::{ApplierGate, LockBudget, hold_end};
+    use super::{AppState, ApplierGate, Change, LockBudget, hold_end};
+    use crate::config::ServeConfig;
     use kvroute_core::event::{KvEvent, Tier};
     use std::sync::Arc;
     use std::time::{Duration, Instant};
@@ -733,5 +734,41 @@ mod tests {
                 .await
                 .expect("requests pass after the failed hold");
         });
+    }
+
+    /// Whether a wake waits for the admission task (taking it).
+    fn woken(state: &AppState) -> bool {
+        use futures::FutureExt;
+        state.admission.woken().now_or_never().is_some()
+    }
+
+    #[tokio::test]
+    async fn the_changes_that_may_free_capacity_wake_admission_and_no_others() {
+        let queued = ServeConfig::parse_from(["kvroute", "--queue-threshold", "0.5"]).unwrap();
+        let state = AppState::new(queued).unwrap();
+        assert!(!woken(&state));
+        let cases = [
+            (Change::WorkerDeleted(7), true),
+            (Change::Booked("r"), false),
+            (Change::BookingRefused, false),
+            (Change::PrefillCompleted("r"), true),
+            (Change::OutputBlock("r"), false),
+            (Change::Freed("r"), true),
+            (Change::Expired, true),
+        ];
+        for (change, wakes) in cases {
+            state.changed(change);
+            assert_eq!(woken(&state), wakes, "{change:?}");
+        }
+        // Without a queue nothing waits, and nothing is woken.
+        let unqueued = AppState::new(ServeConfig::defaults()).unwrap();
+        for change in [
+            Change::Freed("r"),
+            Change::WorkerDeleted(7),
+            Change::Expired,
+        ] {
+            unqueued.changed(change);
+            assert!(!woken(&unqueued), "{change:?}");
+        }
     }
 }
