@@ -30,7 +30,7 @@ pub fn nats_server_binary() -> PathBuf {
         panic!(
             "nats-server not found (looked at $KVROUTE_NATS_SERVER, the PATH and \
              /usr/sbin/nats-server): install it with `apt-get install nats-server` \
-             (.ci/run does) or point KVROUTE_NATS_SERVER at the binary"
+             (scripts/deps.sh does) or point KVROUTE_NATS_SERVER at the binary"
         )
     })
 }
