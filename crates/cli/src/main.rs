@@ -1,5 +1,7 @@
 //! The `kvroute` binary: `serve` (the HTTP selection service), `gateway` (the same with an
 //! OpenAI-compatible front for the workers), `sim` (the fleet simulator), `hash`.
+//!
+//! `SPEC §n` in this crate is section n of `docs/SPEC.md`.
 #![forbid(unsafe_code)]
 
 mod fake_engine_cmd;

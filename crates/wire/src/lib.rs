@@ -79,6 +79,8 @@
 //! One pass over the payload; a 32-event batch of 16 blocks × 64 tokens (~110 KB) decodes in a
 //! few tens of microseconds (`benches/decode.rs`). Hashing in [`to_kv_events`] is linear in the
 //! number of tokens.
+//!
+//! `SPEC §n` in this crate is section n of `docs/SPEC.md`.
 // Unsafe only in `msgpack_avx512` (SIMD intrinsics), which allows it for itself.
 #![deny(unsafe_code)]
 
