@@ -6,7 +6,7 @@
 //! that the edges (HTTP service, Python binding, simulator) turn into responses, metrics and logs.
 //!
 //! Modules:
-//! - [`admission`]: the router-side queue of selections waiting for capacity (issue 31).
+//! - [`admission`]: the router-side queue of selections waiting for capacity.
 //! - [`hash`]: Dynamo-compatible local and sequence block hashes (SPEC §2).
 //! - [`event`]: the internal KV event model (stored / removed / cleared, tiers, ranks).
 //! - [`index`]: the radix index of which rank holds which prompt prefix, and `find_matches`.

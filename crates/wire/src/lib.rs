@@ -60,7 +60,7 @@
 //! - SGLang with EAGLE speculative decoding sends `token_ids` as `[token, next token]` pairs;
 //!   Dynamo's own publishers may add `cache_salt` and `block_mm_infos` keys to a map event
 //!   (see `decode`).
-//! - msgspec ignores `omit_defaults` for array-like structs (msgspec issue #720), so array
+//! - msgspec ignores `omit_defaults` for array-like structs (jcrist/msgspec#720), so array
 //!   events carry every field of their release, `nil` included; map events omit defaulted
 //!   fields that are `None`.
 //!
