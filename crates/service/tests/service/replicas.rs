@@ -141,7 +141,7 @@ fn sorted_remote(state: &AppState) -> Vec<(String, String)> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The README's scenario: two replicas, one catalog, one load view
+// The scenario of docs/replicas.md: two replicas, one catalog, one load view
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_replicas_share_catalog_and_bookings() {

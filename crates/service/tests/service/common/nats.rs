@@ -1,6 +1,6 @@
 //! A `nats-server` of a test's own (the Debian package's binary), on 127.0.0.1 with a free port
 //! and a temporary JetStream store, killed when dropped. Shared by the replica-sync tests of
-//! `kvroute-service` and the README scenario test of the `kvroute` binary (`#[path]`-included).
+//! `kvroute-service` and the docs/replicas.md test of the `kvroute` binary (`#[path]`-included).
 //!
 //! The binary: `KVROUTE_NATS_SERVER`, else `nats-server` on the PATH, else
 //! `/usr/sbin/nats-server`; without one the test fails and says how to install it.
