@@ -96,7 +96,7 @@ pub struct SimArgs {
     /// Whether selector-backed router replicas prefer their own share of near-equal ranks.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub replica_spread: bool,
-    /// Router-side queue (issue 31): requests wait in the router while every worker's routed,
+    /// Router-side queue: requests wait in the router while every worker's routed,
     /// not yet prefilled prompt tokens exceed this × --max-num-batched-tokens (off by default).
     #[arg(long, allow_hyphen_values = true)]
     pub queue_threshold: Option<f64>,
@@ -577,7 +577,7 @@ mod tests {
             sim_config(&args(&[])).unwrap().engine.kv_blocks,
             Some(16_384)
         );
-        // Issue 29: events lag about one engine step unless told otherwise; 0 is still allowed.
+        // Events lag about one engine step unless told otherwise; 0 is still allowed.
         assert_eq!(
             sim_config(&args(&[])).unwrap().event_delay,
             Duration::from_millis(20)
@@ -588,7 +588,7 @@ mod tests {
                 .event_delay,
             Duration::ZERO
         );
-        // Issue 31: the router queue is off unless a threshold is given.
+        // The router queue is off unless a threshold is given.
         assert_eq!(sim_config(&args(&[])).unwrap().queue, None);
         let q = sim_config(&args(&[
             "--queue-threshold",
@@ -656,7 +656,7 @@ mod tests {
         assert_eq!(kvroute_settings(&args(&[])), Ok(kvroute_policy()));
     }
 
-    /// Issue 29: one source of truth. `kvroute serve` with no flags, `kvroute.SelectionService()`
+    /// Defaults: one source of truth. `kvroute serve` with no flags, `kvroute.SelectionService()`
     /// (its `config_from` starts from `ServeConfig::defaults()` and validates it) and
     /// `kvroute sim --policies kvroute` all run core's default; `--router-profile dynamo` and the
     /// sim's `dynamo` policy run core's Dynamo profile.
@@ -743,7 +743,7 @@ mod tests {
         );
         let err = load_workload(&args(&["--synthetic", "agentic:bogus=1"])).unwrap_err();
         assert!(err.contains("bogus"), "{err}");
-        // Issue 31: tenant 0 gets `tenant-skew` times the others' sessions; --only-tenant keeps
+        // Tenants: tenant 0 gets `tenant-skew` times the others' sessions; --only-tenant keeps
         // one tenant's requests, at the same arrival times.
         let shape = [
             "--synthetic",

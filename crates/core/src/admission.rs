@@ -1,4 +1,4 @@
-//! Admission control (issue 31): the router-side queue that holds selections while every
+//! Admission control: the router-side queue that holds selections while every
 //! candidate rank of their partition is over the queue threshold, in the order of a
 //! [`QueuePolicy`], shared fairly between tenants.
 //!

@@ -6,7 +6,7 @@
 //! that the edges (HTTP service, Python binding, simulator) turn into responses, metrics and logs.
 //!
 //! Modules:
-//! - [`admission`]: the router-side queue of selections waiting for capacity (issue 31).
+//! - [`admission`]: the router-side queue of selections waiting for capacity.
 //! - [`hash`]: Dynamo-compatible local and sequence block hashes (SPEC §2).
 //! - [`event`]: the internal KV event model (stored / removed / cleared, tiers, ranks).
 //! - [`index`]: the radix index of which rank holds which prompt prefix, and `find_matches`.
@@ -18,6 +18,8 @@
 //! - [`selector`]: the select / reserve / lifecycle state machine over a catalog of partitions —
 //!   the one API the HTTP service, the Python binding and the simulator call.
 //! - [`error`]: the selector's errors, with the exact client-facing texts of SPEC §7.4.
+//!
+//! `SPEC §n` in this crate is section n of `docs/SPEC.md`.
 #![forbid(unsafe_code)]
 // The clock and the thread-local generators are disallowed here (clippy.toml: time and
 // randomness are arguments); tests may read the clock and make generators.

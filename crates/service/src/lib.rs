@@ -24,6 +24,8 @@
 //! The modules depend on each other in one direction only, each on modules listed before it:
 //! courtesy, error, types, metrics, ingest, sync, queue, config, state, api, http, sync_tasks (held by
 //! the test `tests::modules_depend_in_one_direction`).
+//!
+//! `SPEC §n` in this crate is section n of `docs/SPEC.md`.
 // Unsafe code is denied everywhere but in `http::json::avx512` (a bench proved its need).
 #![deny(unsafe_code)]
 

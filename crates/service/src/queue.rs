@@ -1,4 +1,4 @@
-//! The admission queue of the service (issue 31): `/select` and `/select_and_reserve` wait here
+//! The admission queue of the service: `/select` and `/select_and_reserve` wait here
 //! while every rank they may go to is over `--queue-threshold` × its `max_num_batched_tokens` of
 //! active prefill, and are decided when capacity frees (`api::admit`).
 //!

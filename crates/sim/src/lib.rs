@@ -29,6 +29,8 @@
 //! A run is O(steps × running requests + blocks stored and evicted × log). The full Mooncake
 //! conversation trace (12,031 requests, ~145 M prompt tokens) on 8 workers takes seconds per
 //! policy in a release build.
+//!
+//! `SPEC §n` in this crate is section n of `docs/SPEC.md`.
 #![forbid(unsafe_code)]
 
 pub mod engine;

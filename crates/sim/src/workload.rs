@@ -46,7 +46,7 @@ pub struct SimRequest {
     /// [`sessions_by_opening`]); the session policies route on it.
     pub session_id: Option<u64>,
     /// The tenant it belongs to, when the workload knows it (the agentic workload does); the
-    /// router-side queue shares capacity between tenants (issue 31).
+    /// router-side queue shares capacity between tenants (fairness).
     pub tenant: Option<u32>,
 }
 
