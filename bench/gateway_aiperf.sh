@@ -340,5 +340,6 @@ python3 "$here/gateway_aiperf.py" summarize "${runs[@]}" --out-json "$base.json"
   --meta "kvroute=$("$kvroute" --version 2>/dev/null || echo unknown)" \
   --meta "aiperf=$AIPERF_VERSION" --meta "smg=$SMG_VERSION" \
   --meta "machine=$(nproc) cores, $(awk -F': *' '/^model name/ {print $2; exit}' /proc/cpuinfo)" \
-  --meta "config=engines=$ENGINES time_scale=$TIME_SCALE kv_blocks=${KV_BLOCKS:-default} block_size=$BLOCK_SIZE requests=$REQUESTS rate=$RATE prefixes=$PREFIXES prefix_tokens=$PREFIX_TOKENS user_tokens=$USER_TOKENS output_tokens=$OUTPUT_TOKENS seed=$SEED server_cpus=$server_cpus client_cpus=$client_cpus"
+  --meta "config=engines=$ENGINES time_scale=$TIME_SCALE kv_blocks=${KV_BLOCKS:-default} block_size=$BLOCK_SIZE requests=$REQUESTS rate=$RATE prefixes=$PREFIXES prefix_tokens=$PREFIX_TOKENS user_tokens=$USER_TOKENS output_tokens=$OUTPUT_TOKENS seed=$SEED server_cpus=$server_cpus client_cpus=$client_cpus" \
+  --meta "kvroute_gateway_flags=$KVROUTE_GATEWAY_FLAGS" --meta "smg_flags=$SMG_FLAGS"
 say "wrote $base.json and $base.md"
