@@ -28,7 +28,11 @@
 #   on the lower half (on 2 cores, one each), as bench/gateway.sh does.
 # - Measured by aiperf (its profile_export_aiperf.json): TTFT, inter-token latency, request
 #   latency, requests completed and failed; output tokens counted from the engines' usage
-#   (--use-server-token-count). After a kvroute run, GET /loads must show no booking left.
+#   (--use-server-token-count); prefix-cache hits = the engines' cached ÷ prompt tokens (their
+#   usage). Beside it: each engine's CPU over the run (how evenly the front spread the work),
+#   the server's CPU per request, and after a kvroute run its GET /loads (no booking may be
+#   left) and its chosen overlap tokens (GET /metrics), which equal the engines' cached tokens
+#   when the gateway's block hashes are theirs.
 #
 # Writes bench/results/gateway-aiperf-<UTC start>.json and .md (the table) and prints the table.
 # Needs python3 (3.10+), PyPI access for the venv (or a venv already holding aiperf and smg:
