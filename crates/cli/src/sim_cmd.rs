@@ -14,17 +14,17 @@ use kvroute_core::selector::{DEFAULT_SOFT_FACTOR, PredictConfig};
 use kvroute_sim::engine::DEFAULT_KV_BLOCKS;
 use kvroute_sim::policy::{DEFAULT_SESSION_TTL, SelectorPolicy, kvroute_policy};
 use kvroute_sim::sim::{DEFAULT_EVENT_DELAY, DEFAULT_SYNC_DELAY, DEFAULT_TTFT_TARGET, SimQueue};
+use kvroute_sim::suite::{
+    DEFAULT_POLICIES, Shape, SuiteOptions, SuiteReport, TraceShape, run_suite, shapes,
+};
 use kvroute_sim::workload::{
     AgenticSpec, agentic_workload, mooncake_workload, parse_mooncake, sessions_by_opening,
     synthetic_workload,
 };
-use kvroute_sim::suite::{
-    DEFAULT_POLICIES, Shape, SuiteOptions, SuiteReport, TraceShape, run_suite,
-    shapes,
-};
 use kvroute_sim::{
-    ArrivalOptions, BatchDecode, EngineConfig, EngineModel, Policy, PolicyRun, SimConfig, SimError, SyntheticSpec,
-    TimingModel, UnavailablePolicy, Workload, build_report, render_svg, resolve, run_policy,
+    ArrivalOptions, BatchDecode, EngineConfig, EngineModel, Policy, PolicyRun, SimConfig, SimError,
+    SyntheticSpec, TimingModel, UnavailablePolicy, Workload, build_report, render_svg, resolve,
+    run_policy,
 };
 use std::io::{BufReader, IsTerminal};
 use std::path::PathBuf;
@@ -158,7 +158,11 @@ pub struct SimArgs {
     pub engine_model: String,
     /// Batch engine model: decode step base + per_seq·sequences + per_token·context tokens, ms:
     /// `base,per_seq,per_token` (default: vLLM, an 8B model, one H100; see crates/sim/README.md).
-    #[arg(long, value_name = "BASE,PER_SEQ,PER_TOKEN", default_value = "6.5,0.03,2.6e-5")]
+    #[arg(
+        long,
+        value_name = "BASE,PER_SEQ,PER_TOKEN",
+        default_value = "6.5,0.03,2.6e-5"
+    )]
     pub batch_decode_coefficients: String,
     /// Run the workload suite instead of one workload (see crates/sim/README.md).
     #[arg(long, conflicts_with_all = ["trace", "synthetic", "out"])]
@@ -640,9 +644,11 @@ pub fn suite_options(args: &SimArgs) -> Result<SuiteOptions, String> {
                 .collect()
         }
     };
-    let loads = list("suite-loads", &args.suite_loads, |l| match l.parse::<f64>() {
-        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
-        _ => Err(format!("a load must be a positive number, got `{l}`")),
+    let loads = list("suite-loads", &args.suite_loads, |l| {
+        match l.parse::<f64>() {
+            Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+            _ => Err(format!("a load must be a positive number, got `{l}`")),
+        }
     })?;
     let replicas = list("suite-replicas", &args.suite_replicas, |r| {
         match r.parse::<usize>() {
@@ -654,8 +660,11 @@ pub fn suite_options(args: &SimArgs) -> Result<SuiteOptions, String> {
         engine_model(e, args)
     })?;
     let kvroute = kvroute_settings(args)?;
-    let policies = resolve(args.policies.as_deref().unwrap_or(DEFAULT_POLICIES), kvroute)
-        .map_err(|e| e.to_string())?;
+    let policies = resolve(
+        args.policies.as_deref().unwrap_or(DEFAULT_POLICIES),
+        kvroute,
+    )
+    .map_err(|e| e.to_string())?;
     if let Some(p) = policies.iter().find(|p| p.unavailable.is_some()) {
         return Err(format!(
             "policy {} is unavailable: {}",
@@ -719,8 +728,12 @@ Shapes:
         options.replicas
     );
     for shape in &options.shapes {
-        md.push_str(&format!("- `{}`: {}
-", shape.name(), shape.description()));
+        md.push_str(&format!(
+            "- `{}`: {}
+",
+            shape.name(),
+            shape.description()
+        ));
     }
     md.push('\n');
     md.push_str(&report.to_markdown());

@@ -475,10 +475,7 @@ impl Engine {
                 .kv_blocks
                 .unwrap_or(self.config.nominal_kv_blocks)
                 .max(1) as f64;
-        let duration = self
-            .config
-            .timing
-            .step_nanos(prefill_tokens, decode, usage);
+        let duration = self.config.timing.step_nanos(prefill_tokens, decode, usage);
         self.in_step = true;
         self.counters.steps += 1;
         self.counters.busy_nanos += duration;
@@ -748,17 +745,23 @@ mod tests {
         let mut engine = Engine::new(config(Some(100), 1024));
         engine.submit(0, &requests[0]);
         let prefill = engine.start_step(&requests).unwrap().unwrap();
-        assert_eq!(prefill, TimingModel::default().step_nanos(100, DecodeBatch::default(), 0.25));
+        assert_eq!(
+            prefill,
+            TimingModel::default().step_nanos(100, DecodeBatch::default(), 0.25)
+        );
         engine.finish_step();
         let decode = engine.start_step(&requests).unwrap().unwrap();
-        assert_eq!(decode, TimingModel::default().step_nanos(
+        assert_eq!(
+            decode,
+            TimingModel::default().step_nanos(
                 0,
                 DecodeBatch {
                     sequences: 1,
                     context_tokens: 101
                 },
                 0.26
-            ));
+            )
+        );
         engine.finish_step();
         assert_eq!(engine.counters().busy_nanos, prefill + decode);
     }
@@ -788,7 +791,12 @@ mod tests {
         };
         let prompt = |first: u32, len: u32| (first..first + len).collect::<Vec<u32>>();
         let one_short = decode_step(&[prompt(0, 40)]);
-        let four_short = decode_step(&[prompt(0, 40), prompt(1000, 40), prompt(2000, 40), prompt(3000, 40)]);
+        let four_short = decode_step(&[
+            prompt(0, 40),
+            prompt(1000, 40),
+            prompt(2000, 40),
+            prompt(3000, 40),
+        ]);
         let one_long = decode_step(&[prompt(0, 40_000)]);
         assert!(four_short > one_short, "{four_short} vs {one_short}");
         assert!(one_long > one_short, "{one_long} vs {one_short}");

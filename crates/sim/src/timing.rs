@@ -174,12 +174,10 @@ impl TimingModel {
     pub fn decode_step_ms(&self, batch: DecodeBatch, usage: f64) -> f64 {
         match self.engine_model {
             EngineModel::Fitted => self.decode_ms(usage),
-            EngineModel::Batch(b) => {
-                (b.base_ms
-                    + b.per_sequence_ms * batch.sequences as f64
-                    + b.per_context_token_ms * batch.context_tokens as f64)
-                    .max(self.decode_min_ms)
-            }
+            EngineModel::Batch(b) => (b.base_ms
+                + b.per_sequence_ms * batch.sequences as f64
+                + b.per_context_token_ms * batch.context_tokens as f64)
+                .max(self.decode_min_ms),
         }
     }
 
@@ -245,7 +243,10 @@ mod tests {
     fn step_adds_both_phases_and_divides_by_the_speedup() {
         let m = TimingModel::default();
         let both = m.prefill_ms(1000) + m.decode_ms(0.25);
-        assert_eq!(m.step_nanos(1000, decoding(1, 10), 0.25), (both * 1e6).round() as u64);
+        assert_eq!(
+            m.step_nanos(1000, decoding(1, 10), 0.25),
+            (both * 1e6).round() as u64
+        );
         assert_eq!(
             m.step_nanos(0, decoding(3, 99), 0.0),
             (5.74f64 * 1e6).round() as u64,
@@ -277,7 +278,10 @@ mod tests {
         // KV usage does not matter to the batch model, only to the fitted one.
         assert_eq!(one, m.decode_step_ms(decoding(1, 1_000), 0.0));
         let fitted = TimingModel::default();
-        assert!(fitted.decode_step_ms(decoding(1, 1), 0.9) > fitted.decode_step_ms(decoding(64, 1 << 20), 0.1));
+        assert!(
+            fitted.decode_step_ms(decoding(1, 1), 0.9)
+                > fitted.decode_step_ms(decoding(64, 1 << 20), 0.1)
+        );
         // The calibration point: 64 sequences of 4,096 tokens about double the smallest step.
         let base = m.decode_step_ms(decoding(1, 1), 0.0);
         let big = m.decode_step_ms(decoding(64, 64 * 4096), 0.0);

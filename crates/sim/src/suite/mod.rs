@@ -16,12 +16,12 @@
 //! Runs are bounded: each shape caps its requests (≤ [`MAX_REQUESTS`]), so a full suite takes a
 //! few minutes in a release build.
 
+use crate::SimError;
 use crate::policy::Policy;
 use crate::report::build_report;
 use crate::sim::{SimConfig, run_policy};
 use crate::timing::{EngineModel, Nanos};
 use crate::workload::{SimRequest, Workload, mix64, push_segment};
-use crate::SimError;
 use kvroute_core::hash::{BASE_SEED, PromptHashes};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -113,11 +113,9 @@ pub struct ShapeRng {
 impl ShapeRng {
     /// A stream for `shape` (its name keys the stream and the prompt segments) and `seed`.
     pub fn new(shape: &str, seed: u64) -> Self {
-        let shape_key = shape
-            .bytes()
-            .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-                (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-            });
+        let shape_key = shape.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        });
         Self {
             rng: SmallRng::seed_from_u64(mix64(shape_key ^ mix64(seed))),
             shape_key,
@@ -339,8 +337,8 @@ pub fn run_suite(
                     let policy = &policies[job % policies.len()];
                     let workload = workload_of(cell);
                     let config = config_of(cell);
-                    let figures = run_policy(workload, &config, policy, origin, &mut |_| {})
-                        .map(|run| {
+                    let figures =
+                        run_policy(workload, &config, policy, origin, &mut |_| {}).map(|run| {
                             let report = build_report(workload, &config, &[run], Vec::new());
                             CellFigures::from_report(&report.policies[0])
                         });
@@ -395,10 +393,26 @@ mod tests {
             let a = shape.generate(7, 64).unwrap();
             assert!(!a.is_empty(), "{}", shape.name());
             assert!(a.len() <= MAX_REQUESTS, "{}: {}", shape.name(), a.len());
-            assert!(a.windows(2).all(|w| w[0].arrival_nanos <= w[1].arrival_nanos));
-            assert!(a.iter().all(|r| r.output_tokens >= 1 && r.prompt.isl_tokens > 0));
-            assert_eq!(a, shape.generate(7, 64).unwrap(), "{}: same seed", shape.name());
-            assert_ne!(a, shape.generate(8, 64).unwrap(), "{}: other seed", shape.name());
+            assert!(
+                a.windows(2)
+                    .all(|w| w[0].arrival_nanos <= w[1].arrival_nanos)
+            );
+            assert!(
+                a.iter()
+                    .all(|r| r.output_tokens >= 1 && r.prompt.isl_tokens > 0)
+            );
+            assert_eq!(
+                a,
+                shape.generate(7, 64).unwrap(),
+                "{}: same seed",
+                shape.name()
+            );
+            assert_ne!(
+                a,
+                shape.generate(8, 64).unwrap(),
+                "{}: other seed",
+                shape.name()
+            );
             // Output lengths vary: decode is part of what the suite judges.
             let outputs: HashSet<u64> = a.iter().map(|r| r.output_tokens).collect();
             assert!(outputs.len() > 10, "{}", shape.name());
@@ -414,7 +428,10 @@ mod tests {
             assert_eq!(one.requests.len(), four.requests.len());
             for (a, b) in one.requests.iter().zip(&four.requests) {
                 assert_eq!(a.prompt, b.prompt);
-                assert_eq!(b.arrival_nanos, (a.arrival_nanos as f64 / 4.0).round() as u64);
+                assert_eq!(
+                    b.arrival_nanos,
+                    (a.arrival_nanos as f64 / 4.0).round() as u64
+                );
             }
             let span = |w: &Workload| w.requests.last().map_or(0, |r| r.arrival_nanos);
             let rate = |w: &Workload| w.requests.len() as f64 / span(w) as f64;
@@ -492,11 +509,7 @@ mod tests {
             counts[0].0
         };
         let quarter = requests.len() / 4;
-        let favourites: HashSet<u64> = requests
-            .chunks(quarter)
-            .take(4)
-            .map(favourite)
-            .collect();
+        let favourites: HashSet<u64> = requests.chunks(quarter).take(4).map(favourite).collect();
         assert!(favourites.len() >= 3, "{favourites:?}");
     }
 
@@ -518,7 +531,8 @@ mod tests {
                     at += rng.exponential(0.05);
                     let mut tokens = Vec::new();
                     rng.push_segment(&mut tokens, 1, i % 2, 256);
-                    rng.push_segment(&mut tokens, 2, i, rng.between(10, 100));
+                    let question = rng.between(10, 100);
+                    rng.push_segment(&mut tokens, 2, i, question);
                     request(at, &tokens, rng.between(2, 40), None, block_size)
                 })
                 .collect())
@@ -530,7 +544,10 @@ mod tests {
             shapes: vec![Box::new(Tiny)],
             loads: vec![1.0, 8.0],
             replicas: vec![1, 2],
-            engines: vec![EngineModel::Fitted, EngineModel::Batch(BatchDecode::default())],
+            engines: vec![
+                EngineModel::Fitted,
+                EngineModel::Batch(BatchDecode::default()),
+            ],
             policies: resolve("round_robin,dynamo,kvroute", kvroute_policy()).unwrap(),
             base: SimConfig {
                 workers: 3,
@@ -562,7 +579,10 @@ mod tests {
             assert!(cell.policies.iter().all(|p| p.completed == 24));
         }
         // The engine model changes the timings, not the workload.
-        assert_ne!(serial[0].policies[0].e2e_p99_ms, serial[4].policies[0].e2e_p99_ms);
+        assert_ne!(
+            serial[0].policies[0].e2e_p99_ms,
+            serial[4].policies[0].e2e_p99_ms
+        );
         let report = summary::SuiteReport::new(serial);
         assert_eq!(report.summaries.len(), 2);
         assert!(report.summaries.iter().all(|s| s.targets.is_some()));

@@ -198,7 +198,8 @@ pub fn summarize(engine: &str, cells: &[&CellResult]) -> EngineSummary {
             for (m, metric) in Metric::ALL.into_iter().enumerate() {
                 let mut ratios = Vec::new();
                 for cell in cells {
-                    let (Some(figures), Some(best)) = (cell.figures(name), cell.best(metric, |_| true))
+                    let (Some(figures), Some(best)) =
+                        (cell.figures(name), cell.best(metric, |_| true))
                     else {
                         continue;
                     };
@@ -437,7 +438,13 @@ mod tests {
         let cells = table();
         let refs: Vec<&CellResult> = cells.iter().collect();
         let s = summarize("fitted", &refs);
-        let by = |name: &str| s.policies.iter().find(|p| p.policy == name).unwrap().clone();
+        let by = |name: &str| {
+            s.policies
+                .iter()
+                .find(|p| p.policy == name)
+                .unwrap()
+                .clone()
+        };
         // TTFT mean ratios: round robin 100/40 = 2.5 and 10/10 = 1; dynamo 1.25 and 4;
         // kvroute 1 and 2.
         let rr = by("round_robin");
@@ -465,7 +472,10 @@ mod tests {
         assert!(!t.geomean_ok);
         assert!(!t.passed());
         let text = summary_table(&summarize("fitted", &refs));
-        assert!(text.contains("FAIL") && text.contains("2 of 2 cells fail"), "{text}");
+        assert!(
+            text.contains("FAIL") && text.contains("2 of 2 cells fail"),
+            "{text}"
+        );
     }
 
     #[test]
