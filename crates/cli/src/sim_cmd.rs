@@ -895,6 +895,135 @@ mod tests {
     }
 
     #[test]
+    fn the_engine_model_flag_picks_the_decode_model() {
+        assert_eq!(
+            sim_config(&args(&[])).unwrap().engine.timing.engine_model,
+            EngineModel::Fitted
+        );
+        let batch = sim_config(&args(&["--engine-model", "batch"])).unwrap();
+        assert_eq!(
+            batch.engine.timing.engine_model,
+            EngineModel::Batch(BatchDecode::default())
+        );
+        let custom = sim_config(&args(&[
+            "--engine-model",
+            "batch",
+            "--batch-decode-coefficients",
+            "5,0.1,1e-5",
+        ]))
+        .unwrap();
+        assert_eq!(
+            custom.engine.timing.engine_model,
+            EngineModel::Batch(BatchDecode {
+                base_ms: 5.0,
+                per_sequence_ms: 0.1,
+                per_context_token_ms: 1e-5,
+            })
+        );
+        let err = sim_config(&args(&["--engine-model", "gpu"])).unwrap_err();
+        assert!(err.contains("--engine-model"), "{err}");
+        let err = sim_config(&args(&[
+            "--engine-model",
+            "batch",
+            "--batch-decode-coefficients",
+            "1,-1,0",
+        ]))
+        .unwrap_err();
+        assert!(err.contains("batch-decode-coefficients"), "{err}");
+    }
+
+    #[test]
+    fn suite_flags_select_cells_and_policies() {
+        let all = suite_options(&args(&["--suite"])).unwrap();
+        assert_eq!(all.shapes.len(), 6);
+        assert_eq!(all.loads, vec![1.0, 2.0, 4.0, 8.0]);
+        assert_eq!(all.replicas, vec![1, 2]);
+        assert_eq!(all.engines.len(), 2);
+        assert_eq!(all.cells().len(), 6 * 4 * 2 * 2);
+        let names: Vec<&str> = all.policies.iter().map(|p| p.name).collect();
+        assert_eq!(
+            names,
+            [
+                "round_robin",
+                "least_loaded",
+                "cache_aware",
+                "dynamo",
+                "kvroute"
+            ]
+        );
+        assert_eq!(all.base.event_delay, Duration::from_millis(20));
+        assert_eq!(all.base.sync_delay, Duration::from_millis(5));
+        let one = suite_options(&args(&[
+            "--suite",
+            "--suite-shapes",
+            "no_reuse,hot_prompts",
+            "--suite-loads",
+            "2",
+            "--suite-replicas",
+            "1",
+            "--suite-engines",
+            "fitted",
+            "--policies",
+            "round_robin,kvroute",
+        ]))
+        .unwrap();
+        let shapes: Vec<&str> = one.shapes.iter().map(|s| s.name()).collect();
+        assert_eq!(shapes, ["hot_prompts", "no_reuse"], "the suite's order");
+        assert_eq!(one.cells().len(), 2);
+        assert_eq!(one.policies.len(), 2);
+        for (bad, knob) in [
+            (vec!["--suite-shapes", "bogus"], "--suite-shapes"),
+            (vec!["--suite-loads", "0"], "--suite-loads"),
+            (vec!["--suite-loads", ","], "--suite-loads"),
+            (vec!["--suite-replicas", "0"], "--suite-replicas"),
+            (vec!["--suite-engines", "gpu"], "engine-model"),
+            (
+                vec!["--suite-trace", "/nonexistent/t.jsonl"],
+                "--suite-trace",
+            ),
+        ] {
+            let mut line = vec!["--suite"];
+            line.extend(bad);
+            let err = suite_options(&args(&line)).err().unwrap();
+            assert!(err.contains(knob), "{err}");
+        }
+        assert!(Cli::try_parse_from(["sim", "--suite-loads", "1"]).is_err());
+        assert!(Cli::try_parse_from(["sim", "--suite", "--synthetic", "2x2"]).is_err());
+    }
+
+    #[test]
+    fn a_suite_run_writes_its_tables_and_figures() {
+        let dir = std::env::temp_dir().join(format!("kvroute-suite-cmd-{}", std::process::id()));
+        let a = args(&[
+            "--suite",
+            "--suite-shapes",
+            "no_reuse",
+            "--suite-loads",
+            "8",
+            "--suite-replicas",
+            "1",
+            "--policies",
+            "round_robin,kvroute",
+            "--no-progress",
+            "--suite-out",
+            dir.to_str().unwrap(),
+        ]);
+        run_inner(&a).unwrap();
+        let md = std::fs::read_to_string(dir.join("suite.md")).unwrap();
+        assert!(md.contains("fitted / no_reuse / 8x / 1 replica"), "{md}");
+        assert!(md.contains("Summary, batch engine model"), "{md}");
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("suite.json")).unwrap())
+                .unwrap();
+        let cells = json["suite"]["cells"].as_array().unwrap();
+        assert_eq!(cells.len(), 2, "two engine models");
+        assert_eq!(cells[0]["policies"][1]["policy"], "kvroute");
+        assert_eq!(json["suite"]["summaries"].as_array().unwrap().len(), 2);
+        assert_eq!(json["settings"]["workers"], 8);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
     fn kvroute_overrides_apply_to_the_kvroute_policy_only() {
         let a = args(&[
             "--kvroute-prefill-load-scale",
