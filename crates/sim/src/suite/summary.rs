@@ -480,7 +480,7 @@ mod tests {
 
     #[test]
     fn a_policy_best_everywhere_scores_one_and_passes() {
-        let cells = vec![cell(
+        let cells = [cell(
             "a",
             vec![
                 figures("round_robin", 100.0, 400.0, 1000.0),
@@ -494,7 +494,7 @@ mod tests {
         let t = s.targets.unwrap();
         assert!(t.passed(), "{t:?}");
         // Without the judged policy, nothing is checked.
-        let only = vec![cell("a", vec![figures("round_robin", 1.0, 1.0, 1.0)])];
+        let only = [cell("a", vec![figures("round_robin", 1.0, 1.0, 1.0)])];
         let refs: Vec<&CellResult> = only.iter().collect();
         assert!(summarize("fitted", &refs).targets.is_none());
     }
