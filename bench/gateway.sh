@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Live gateway benchmark (issue 32): one Mooncake trace replayed by an open-loop client through
+# Live gateway benchmark: one Mooncake trace replayed by an open-loop client through
 #   (a) kvroute gateway            (kvroute's own routing, KV events from every engine),
 #   (b) smg launch --policy cache_aware   (PyPI smg, installed here into a venv),
 #   (c) kvroute gateway, round robin,

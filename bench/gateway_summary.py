@@ -235,7 +235,7 @@ def table(summary):
 
 
 def targets(summary):
-    """Issue 32's targets, each met, not met, or not measured in this run."""
+    """The gateway's targets (against smg), each met, not met, or not measured in this run."""
     s, r, o = summary["servers"], summary["ratios"], summary.get("overhead")
 
     def verdict(value, ok, shown):
@@ -262,7 +262,7 @@ def targets(summary):
         ("CPU per request ≤ ½ of smg's", median(r["cpu_per_request_kvroute_over_smg"]),
          lambda v: v <= 0.5, lambda v: f"{v:.2f}×"),
     ]
-    return "Targets (issue 32): " + "; ".join(
+    return "Targets (the gateway against smg): " + "; ".join(
         f"{name}: {verdict(value, ok, shown)}" for name, value, ok, shown in items
     ) + "."
 

@@ -255,7 +255,7 @@ fi
 # Optional (INGEST_FREE=1): one more cycle run per server whose fake engines publish to ports no
 # server subscribes to, so that neither ingests KV events: how much of each server's cycle the
 # ingest is (its index stays as the measured rounds left it; summarize.py prints the comparison).
-# Not a target of issue 7.
+# Not one of the side-by-side targets.
 if [ "${INGEST_FREE:-0}" = 1 ]; then
   say "ingest-free cycle runs: the engines publish to ports no server subscribes to"
   for name in dynamo kvroute; do

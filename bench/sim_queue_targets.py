@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Runs issue 31's admission-control targets with `kvroute sim` and checks them.
+"""Runs the admission queue's targets with `kvroute sim` and checks them.
 
 8 workers x 16,384 blocks of 64 tokens, 20 ms events, seed 0, 8x arrivals, the `kvroute` policy,
 the router queue at threshold 1 x max_num_batched_tokens with a 2 s timeout (fcfs unless said):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Runs issue 29's routing targets with `kvroute sim` and checks them.
+"""Runs the routing targets with `kvroute sim` and checks them.
 
 Both workloads (the Mooncake conversation trace and the agentic generator), at 2x and 4x
 arrivals, with 1 and with 2 router replicas (sync delay 5 ms), event delay 20 ms, 8 workers x

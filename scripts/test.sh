@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Runs every kvroute test: Rust unit, property and integration tests, then the Python binding's
-# pytest suite. This is the README's test command; .ci/run calls it.
+# pytest suite. This is the README's test command; .ci/run calls it. It installs what the tests
+# need first, so it passes on a fresh machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+bash scripts/deps.sh # nats-server and chromium, when missing (Debian packages)
 
 # Python binding (crates/py): build the kvroute wheel with maturin (debug profile: quick to build,
 # and the tests do not need speed), install it into a virtualenv and run its pytest suite. The

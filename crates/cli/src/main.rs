@@ -1,5 +1,8 @@
 //! The `kvroute` binary: `serve` (the HTTP selection service), `gateway` (the same with an
-//! OpenAI-compatible front for the workers), `sim` (the fleet simulator), `hash`.
+//! OpenAI-compatible front for the workers), `sim` (the fleet simulator), `hash`, and the test
+//! tools `fake-engine` (a KV-event publisher, or a mock OpenAI engine) and `loadgen`.
+//!
+//! `SPEC §n` in this crate is section n of `docs/SPEC.md`.
 #![forbid(unsafe_code)]
 
 mod fake_engine_cmd;

@@ -1,5 +1,8 @@
 //! `kvroute sim`: replays a workload on a simulated fleet under several routing policies and
 //! prints a side-by-side table; `--out DIR` also writes `report.json` and `report.svg`.
+//! `kvroute sim --suite` runs the workload suite (`kvroute_sim::suite`) instead: every policy on
+//! every shape, load, replica count and engine model, then a summary; `--suite-out DIR` writes
+//! `suite.json` and `suite.md`.
 //!
 //! The simulation itself is `kvroute-sim` (pure and deterministic); this module parses flags,
 //! reads the trace file, runs the policies on parallel threads with a progress bar per policy
@@ -11,13 +14,17 @@ use kvroute_core::selector::{DEFAULT_SOFT_FACTOR, PredictConfig};
 use kvroute_sim::engine::DEFAULT_KV_BLOCKS;
 use kvroute_sim::policy::{DEFAULT_SESSION_TTL, SelectorPolicy, kvroute_policy};
 use kvroute_sim::sim::{DEFAULT_EVENT_DELAY, DEFAULT_SYNC_DELAY, DEFAULT_TTFT_TARGET, SimQueue};
+use kvroute_sim::suite::{
+    DEFAULT_POLICIES, Shape, SuiteOptions, SuiteReport, TraceShape, run_suite, shapes,
+};
 use kvroute_sim::workload::{
     AgenticSpec, agentic_workload, mooncake_workload, parse_mooncake, sessions_by_opening,
     synthetic_workload,
 };
 use kvroute_sim::{
-    ArrivalOptions, EngineConfig, Policy, PolicyRun, SimConfig, SimError, SyntheticSpec,
-    TimingModel, UnavailablePolicy, Workload, build_report, render_svg, resolve, run_policy,
+    ArrivalOptions, BatchDecode, EngineConfig, EngineModel, Policy, PolicyRun, SimConfig, SimError,
+    SyntheticSpec, TimingModel, UnavailablePolicy, Workload, build_report, render_svg, resolve,
+    run_policy,
 };
 use std::io::{BufReader, IsTerminal};
 use std::path::PathBuf;
@@ -45,9 +52,10 @@ pub struct SimArgs {
     pub workers: usize,
     /// `all` or a comma-separated list: round_robin, random, least_loaded, cache_aware, dynamo,
     /// kvroute, kvroute-approx-ttl, kvroute-approx-lru, kvroute-session-hard,
-    /// kvroute-session-soft.
-    #[arg(long, default_value = "all")]
-    pub policies: String,
+    /// kvroute-session-soft. Default: all; with --suite, round_robin, least_loaded,
+    /// cache_aware, dynamo and kvroute.
+    #[arg(long)]
+    pub policies: Option<String>,
     /// KV blocks per worker, or `unlimited`.
     #[arg(long, default_value_t = DEFAULT_KV_BLOCKS.to_string())]
     pub kv_blocks: String,
@@ -96,7 +104,7 @@ pub struct SimArgs {
     /// Whether selector-backed router replicas prefer their own share of near-equal ranks.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub replica_spread: bool,
-    /// Router-side queue (issue 31): requests wait in the router while every worker's routed,
+    /// Router-side queue: requests wait in the router while every worker's routed,
     /// not yet prefilled prompt tokens exceed this × --max-num-batched-tokens (off by default).
     #[arg(long, allow_hyphen_values = true)]
     pub queue_threshold: Option<f64>,
@@ -144,6 +152,39 @@ pub struct SimArgs {
     /// Floor of a decode step, ms.
     #[arg(long, default_value_t = 1.0)]
     pub decode_min_ms: f64,
+    /// Decode step model: `fitted` (the --decode-coefficients curve over KV usage) or `batch`
+    /// (grows with the decoding sequences and their context; --batch-decode-coefficients).
+    #[arg(long, default_value = "fitted", value_name = "fitted|batch")]
+    pub engine_model: String,
+    /// Batch engine model: decode step base + per_seq·sequences + per_token·context tokens, ms:
+    /// `base,per_seq,per_token` (default: vLLM, an 8B model, one H100; see crates/sim/README.md).
+    #[arg(
+        long,
+        value_name = "BASE,PER_SEQ,PER_TOKEN",
+        default_value = "6.5,0.03,2.6e-5"
+    )]
+    pub batch_decode_coefficients: String,
+    /// Run the workload suite instead of one workload (see crates/sim/README.md).
+    #[arg(long, conflicts_with_all = ["trace", "synthetic", "out"])]
+    pub suite: bool,
+    /// With --suite: also run this Mooncake JSONL trace as the shape `trace`.
+    #[arg(long, requires = "suite")]
+    pub suite_trace: Option<PathBuf>,
+    /// With --suite: directory for suite.json and suite.md (created if missing).
+    #[arg(long, requires = "suite")]
+    pub suite_out: Option<PathBuf>,
+    /// With --suite: only these shapes, comma-separated (default: all).
+    #[arg(long, requires = "suite")]
+    pub suite_shapes: Option<String>,
+    /// With --suite: these load multipliers, comma-separated.
+    #[arg(long, requires = "suite", default_value = "1,2,4,8")]
+    pub suite_loads: String,
+    /// With --suite: these router replica counts, comma-separated.
+    #[arg(long, requires = "suite", default_value = "1,2")]
+    pub suite_replicas: String,
+    /// With --suite: these engine models, comma-separated.
+    #[arg(long, requires = "suite", default_value = "fitted,batch")]
+    pub suite_engines: String,
     /// Synthetic workload: tokens of each group's shared system prompt.
     #[arg(long, default_value_t = 4096)]
     pub system_prompt_tokens: usize,
@@ -199,6 +240,22 @@ fn coefficients(knob: &str, text: &str) -> Result<[f64; 3], String> {
     }
 }
 
+/// The engine model `name` with the flags' batch coefficients.
+fn engine_model(name: &str, args: &SimArgs) -> Result<EngineModel, String> {
+    match EngineModel::parse(name).map_err(|e| e.to_string())? {
+        EngineModel::Fitted => Ok(EngineModel::Fitted),
+        EngineModel::Batch(_) => {
+            let [base_ms, per_sequence_ms, per_context_token_ms] =
+                coefficients("batch-decode-coefficients", &args.batch_decode_coefficients)?;
+            Ok(EngineModel::Batch(BatchDecode {
+                base_ms,
+                per_sequence_ms,
+                per_context_token_ms,
+            }))
+        }
+    }
+}
+
 /// The simulation configuration the flags describe.
 pub fn sim_config(args: &SimArgs) -> Result<SimConfig, String> {
     let kv_blocks = match args.kv_blocks.trim() {
@@ -238,6 +295,7 @@ pub fn sim_config(args: &SimArgs) -> Result<SimConfig, String> {
                 )?,
                 decode_min_ms: args.decode_min_ms,
                 speedup: args.speedup,
+                engine_model: engine_model(&args.engine_model, args)?,
             },
         },
         event_delay: Duration::from_secs_f64(args.event_delay_ms / 1e3),
@@ -444,10 +502,14 @@ pub fn kvroute_settings(args: &SimArgs) -> Result<SelectorPolicy, String> {
 }
 
 fn run_inner(args: &SimArgs) -> Result<(), String> {
+    if args.suite {
+        return run_suite_cmd(args);
+    }
     let started = Instant::now();
     let config = sim_config(args)?;
     let kvroute = kvroute_settings(args)?;
-    let requested = resolve(&args.policies, kvroute).map_err(|e| e.to_string())?;
+    let policies = args.policies.as_deref().unwrap_or("all");
+    let requested = resolve(policies, kvroute).map_err(|e| e.to_string())?;
     let (runnable, unavailable): (Vec<Policy>, Vec<Policy>) =
         requested.into_iter().partition(|p| p.unavailable.is_none());
     let unavailable: Vec<UnavailablePolicy> = unavailable
@@ -526,6 +588,196 @@ fn run_inner(args: &SimArgs) -> Result<(), String> {
     Ok(())
 }
 
+/// A comma-separated list of `what`, each parsed by `parse`.
+fn list<T>(
+    knob: &str,
+    text: &str,
+    parse: impl Fn(&str) -> Result<T, String>,
+) -> Result<Vec<T>, String> {
+    let items: Vec<&str> = text
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .collect();
+    if items.is_empty() {
+        return Err(format!("invalid --{knob}: empty list"));
+    }
+    items
+        .into_iter()
+        .map(|item| parse(item).map_err(|e| format!("invalid --{knob}: {e}")))
+        .collect()
+}
+
+/// The suite the flags describe: shapes, loads, replicas, engine models and policies.
+pub fn suite_options(args: &SimArgs) -> Result<SuiteOptions, String> {
+    let mut all_shapes = shapes();
+    if let Some(path) = &args.suite_trace {
+        let file = std::fs::File::open(path)
+            .map_err(|e| format!("cannot open --suite-trace {}: {e}", path.display()))?;
+        let rows =
+            parse_mooncake(BufReader::new(file)).map_err(|e| format!("{}: {e}", path.display()))?;
+        if rows.is_empty() {
+            return Err(format!(
+                "invalid --suite-trace: {} holds no request",
+                path.display()
+            ));
+        }
+        all_shapes.push(Box::new(TraceShape {
+            source: path.display().to_string(),
+            rows,
+        }));
+    }
+    let selected: Vec<Box<dyn Shape>> = match &args.suite_shapes {
+        None => all_shapes,
+        Some(names) => {
+            let names = list("suite-shapes", names, |n| Ok(n.to_string()))?;
+            let known: Vec<String> = all_shapes.iter().map(|s| s.name().to_string()).collect();
+            if let Some(unknown) = names.iter().find(|n| !known.contains(n)) {
+                return Err(format!(
+                    "invalid --suite-shapes: unknown shape `{unknown}` (known: {})",
+                    known.join(", ")
+                ));
+            }
+            all_shapes
+                .into_iter()
+                .filter(|s| names.iter().any(|n| n == s.name()))
+                .collect()
+        }
+    };
+    let loads = list("suite-loads", &args.suite_loads, |l| {
+        match l.parse::<f64>() {
+            Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+            _ => Err(format!("a load must be a positive number, got `{l}`")),
+        }
+    })?;
+    let replicas = list("suite-replicas", &args.suite_replicas, |r| {
+        match r.parse::<usize>() {
+            Ok(n) if (1..=64).contains(&n) => Ok(n),
+            _ => Err(format!("replicas must be between 1 and 64, got `{r}`")),
+        }
+    })?;
+    let engines = list("suite-engines", &args.suite_engines, |e| {
+        engine_model(e, args)
+    })?;
+    let kvroute = kvroute_settings(args)?;
+    let policies = resolve(
+        args.policies.as_deref().unwrap_or(DEFAULT_POLICIES),
+        kvroute,
+    )
+    .map_err(|e| e.to_string())?;
+    if let Some(p) = policies.iter().find(|p| p.unavailable.is_some()) {
+        return Err(format!(
+            "policy {} is unavailable: {}",
+            p.name,
+            p.unavailable.unwrap_or_default()
+        ));
+    }
+    Ok(SuiteOptions {
+        shapes: selected,
+        loads,
+        replicas,
+        engines,
+        policies,
+        base: sim_config(args)?,
+    })
+}
+
+fn run_suite_cmd(args: &SimArgs) -> Result<(), String> {
+    let started = Instant::now();
+    let options = suite_options(args)?;
+    let jobs = args.jobs.unwrap_or_else(|| {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    });
+    let total = options.cells().len() * options.policies.len();
+    let bar = ProgressBar::with_draw_target(
+        Some(total as u64),
+        if !args.no_progress && std::io::stderr().is_terminal() {
+            ProgressDrawTarget::stderr()
+        } else {
+            ProgressDrawTarget::hidden()
+        },
+    );
+    bar.set_style(
+        ProgressStyle::with_template("suite [{bar:40}] {pos}/{len} runs {elapsed}")
+            .map(|s| s.progress_chars("=> "))
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let cells = run_suite(&options, jobs, Instant::now(), &|done, _| {
+        bar.set_position(done as u64)
+    })
+    .map_err(|e| e.to_string())?;
+    bar.finish_and_clear();
+    let report = SuiteReport::new(cells);
+    let base = &options.base;
+    let mut md = format!(
+        "Workload suite: {} workers × {} KV blocks of {} tokens, event delay {} ms, replica          sync delay {} ms, seed {}; loads {:?}, replicas {:?}.
+
+Shapes:
+",
+        base.workers,
+        base.engine
+            .kv_blocks
+            .map_or_else(|| "unlimited".to_string(), |b| b.to_string()),
+        base.engine.block_size,
+        base.event_delay.as_secs_f64() * 1e3,
+        base.sync_delay.as_secs_f64() * 1e3,
+        base.seed,
+        options.loads,
+        options.replicas
+    );
+    for shape in &options.shapes {
+        md.push_str(&format!(
+            "- `{}`: {}
+",
+            shape.name(),
+            shape.description()
+        ));
+    }
+    md.push('\n');
+    md.push_str(&report.to_markdown());
+    print!("{md}");
+    if let Some(dir) = &args.suite_out {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| format!("cannot create --suite-out {}: {e}", dir.display()))?;
+        let settings = serde_json::json!({
+            "workers": base.workers,
+            "kv_blocks": base.engine.kv_blocks,
+            "block_size": base.engine.block_size,
+            "event_delay_ms": base.event_delay.as_secs_f64() * 1e3,
+            "sync_delay_ms": base.sync_delay.as_secs_f64() * 1e3,
+            "seed": base.seed,
+            "loads": options.loads,
+            "replicas": options.replicas,
+            "engines": options.engines.iter().map(|e| e.name()).collect::<Vec<_>>(),
+            "policies": options.policies.iter().map(|p| p.name).collect::<Vec<_>>(),
+            "shapes": options.shapes.iter().map(|s| serde_json::json!({
+                "name": s.name(),
+                "description": s.description(),
+            })).collect::<Vec<_>>(),
+        });
+        let json = serde_json::json!({ "settings": settings, "suite": report });
+        let mut text = serde_json::to_string_pretty(&json)
+            .map_err(|e| format!("cannot serialise the suite: {e}"))?;
+        text.push('\n');
+        let json_path = dir.join("suite.json");
+        let md_path = dir.join("suite.md");
+        std::fs::write(&json_path, text)
+            .map_err(|e| format!("cannot write {}: {e}", json_path.display()))?;
+        std::fs::write(&md_path, &md)
+            .map_err(|e| format!("cannot write {}: {e}", md_path.display()))?;
+        println!("wrote {} and {}", json_path.display(), md_path.display());
+    }
+    eprintln!(
+        "suite: {} runs in {:.1} s on {} threads",
+        total,
+        started.elapsed().as_secs_f64(),
+        jobs.clamp(1, total.max(1))
+    );
+    Ok(())
+}
+
 pub fn run(args: &SimArgs) -> ExitCode {
     match run_inner(args) {
         Ok(()) => ExitCode::SUCCESS,
@@ -577,7 +829,7 @@ mod tests {
             sim_config(&args(&[])).unwrap().engine.kv_blocks,
             Some(16_384)
         );
-        // Issue 29: events lag about one engine step unless told otherwise; 0 is still allowed.
+        // Events lag about one engine step unless told otherwise; 0 is still allowed.
         assert_eq!(
             sim_config(&args(&[])).unwrap().event_delay,
             Duration::from_millis(20)
@@ -588,7 +840,7 @@ mod tests {
                 .event_delay,
             Duration::ZERO
         );
-        // Issue 31: the router queue is off unless a threshold is given.
+        // The router queue is off unless a threshold is given.
         assert_eq!(sim_config(&args(&[])).unwrap().queue, None);
         let q = sim_config(&args(&[
             "--queue-threshold",
@@ -643,6 +895,135 @@ mod tests {
     }
 
     #[test]
+    fn the_engine_model_flag_picks_the_decode_model() {
+        assert_eq!(
+            sim_config(&args(&[])).unwrap().engine.timing.engine_model,
+            EngineModel::Fitted
+        );
+        let batch = sim_config(&args(&["--engine-model", "batch"])).unwrap();
+        assert_eq!(
+            batch.engine.timing.engine_model,
+            EngineModel::Batch(BatchDecode::default())
+        );
+        let custom = sim_config(&args(&[
+            "--engine-model",
+            "batch",
+            "--batch-decode-coefficients",
+            "5,0.1,1e-5",
+        ]))
+        .unwrap();
+        assert_eq!(
+            custom.engine.timing.engine_model,
+            EngineModel::Batch(BatchDecode {
+                base_ms: 5.0,
+                per_sequence_ms: 0.1,
+                per_context_token_ms: 1e-5,
+            })
+        );
+        let err = sim_config(&args(&["--engine-model", "gpu"])).unwrap_err();
+        assert!(err.contains("--engine-model"), "{err}");
+        let err = sim_config(&args(&[
+            "--engine-model",
+            "batch",
+            "--batch-decode-coefficients",
+            "1,-1,0",
+        ]))
+        .unwrap_err();
+        assert!(err.contains("batch-decode-coefficients"), "{err}");
+    }
+
+    #[test]
+    fn suite_flags_select_cells_and_policies() {
+        let all = suite_options(&args(&["--suite"])).unwrap();
+        assert_eq!(all.shapes.len(), 6);
+        assert_eq!(all.loads, vec![1.0, 2.0, 4.0, 8.0]);
+        assert_eq!(all.replicas, vec![1, 2]);
+        assert_eq!(all.engines.len(), 2);
+        assert_eq!(all.cells().len(), 6 * 4 * 2 * 2);
+        let names: Vec<&str> = all.policies.iter().map(|p| p.name).collect();
+        assert_eq!(
+            names,
+            [
+                "round_robin",
+                "least_loaded",
+                "cache_aware",
+                "dynamo",
+                "kvroute"
+            ]
+        );
+        assert_eq!(all.base.event_delay, Duration::from_millis(20));
+        assert_eq!(all.base.sync_delay, Duration::from_millis(5));
+        let one = suite_options(&args(&[
+            "--suite",
+            "--suite-shapes",
+            "no_reuse,hot_prompts",
+            "--suite-loads",
+            "2",
+            "--suite-replicas",
+            "1",
+            "--suite-engines",
+            "fitted",
+            "--policies",
+            "round_robin,kvroute",
+        ]))
+        .unwrap();
+        let shapes: Vec<&str> = one.shapes.iter().map(|s| s.name()).collect();
+        assert_eq!(shapes, ["hot_prompts", "no_reuse"], "the suite's order");
+        assert_eq!(one.cells().len(), 2);
+        assert_eq!(one.policies.len(), 2);
+        for (bad, knob) in [
+            (vec!["--suite-shapes", "bogus"], "--suite-shapes"),
+            (vec!["--suite-loads", "0"], "--suite-loads"),
+            (vec!["--suite-loads", ","], "--suite-loads"),
+            (vec!["--suite-replicas", "0"], "--suite-replicas"),
+            (vec!["--suite-engines", "gpu"], "engine-model"),
+            (
+                vec!["--suite-trace", "/nonexistent/t.jsonl"],
+                "--suite-trace",
+            ),
+        ] {
+            let mut line = vec!["--suite"];
+            line.extend(bad);
+            let err = suite_options(&args(&line)).err().unwrap();
+            assert!(err.contains(knob), "{err}");
+        }
+        assert!(Cli::try_parse_from(["sim", "--suite-loads", "1"]).is_err());
+        assert!(Cli::try_parse_from(["sim", "--suite", "--synthetic", "2x2"]).is_err());
+    }
+
+    #[test]
+    fn a_suite_run_writes_its_tables_and_figures() {
+        let dir = std::env::temp_dir().join(format!("kvroute-suite-cmd-{}", std::process::id()));
+        let a = args(&[
+            "--suite",
+            "--suite-shapes",
+            "no_reuse",
+            "--suite-loads",
+            "8",
+            "--suite-replicas",
+            "1",
+            "--policies",
+            "round_robin,kvroute",
+            "--no-progress",
+            "--suite-out",
+            dir.to_str().unwrap(),
+        ]);
+        run_inner(&a).unwrap();
+        let md = std::fs::read_to_string(dir.join("suite.md")).unwrap();
+        assert!(md.contains("fitted / no_reuse / 8x / 1 replica"), "{md}");
+        assert!(md.contains("Summary, batch engine model"), "{md}");
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("suite.json")).unwrap())
+                .unwrap();
+        let cells = json["suite"]["cells"].as_array().unwrap();
+        assert_eq!(cells.len(), 2, "two engine models");
+        assert_eq!(cells[0]["policies"][1]["policy"], "kvroute");
+        assert_eq!(json["suite"]["summaries"].as_array().unwrap().len(), 2);
+        assert_eq!(json["settings"]["workers"], 8);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
     fn kvroute_overrides_apply_to_the_kvroute_policy_only() {
         let a = args(&[
             "--kvroute-prefill-load-scale",
@@ -656,7 +1037,7 @@ mod tests {
         assert_eq!(kvroute_settings(&args(&[])), Ok(kvroute_policy()));
     }
 
-    /// Issue 29: one source of truth. `kvroute serve` with no flags, `kvroute.SelectionService()`
+    /// Defaults: one source of truth. `kvroute serve` with no flags, `kvroute.SelectionService()`
     /// (its `config_from` starts from `ServeConfig::defaults()` and validates it) and
     /// `kvroute sim --policies kvroute` all run core's default; `--router-profile dynamo` and the
     /// sim's `dynamo` policy run core's Dynamo profile.
@@ -743,7 +1124,7 @@ mod tests {
         );
         let err = load_workload(&args(&["--synthetic", "agentic:bogus=1"])).unwrap_err();
         assert!(err.contains("bogus"), "{err}");
-        // Issue 31: tenant 0 gets `tenant-skew` times the others' sessions; --only-tenant keeps
+        // Tenants: tenant 0 gets `tenant-skew` times the others' sessions; --only-tenant keeps
         // one tenant's requests, at the same arrival times.
         let shape = [
             "--synthetic",

@@ -1,4 +1,4 @@
-//! The README's "Running several replicas" scenario, as written there: a `nats-server`, two
+//! The scenario of docs/replicas.md, as written there: a `nats-server`, two
 //! `kvroute serve --nats-url … --replica-id …` processes on their own ports, and the curl calls
 //! (made with kvroute's own HTTP client).
 #![allow(clippy::unwrap_used, clippy::expect_used)]

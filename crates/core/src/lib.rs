@@ -22,6 +22,8 @@
 //! The modules depend on each other in one direction only, each on modules listed before it:
 //! event, hash, index, load, pending, approx, schedule, error, admission, selector (held by the
 //! test `tests::modules_depend_in_one_direction`).
+//!
+//! `SPEC §n` in this crate is section n of `docs/SPEC.md`.
 #![forbid(unsafe_code)]
 // The clock and the thread-local generators are disallowed here (clippy.toml: time and
 // randomness are arguments); tests may read the clock and make generators.

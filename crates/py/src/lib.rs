@@ -14,6 +14,8 @@
 //!
 //! Not unit-tested from Rust (an extension module leaves the interpreter's symbols unresolved);
 //! `crates/py/tests` drives it from pytest, scenario for scenario with the HTTP tests.
+//!
+//! `SPEC §n` in this crate is section n of `docs/SPEC.md`.
 #![forbid(unsafe_code)]
 
 mod convert;

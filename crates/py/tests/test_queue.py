@@ -1,4 +1,4 @@
-"""The admission queue from Python (issue 31): with ``queue_threshold`` an awaited select or
+"""The admission queue from Python: with ``queue_threshold`` an awaited select or
 select_and_reserve waits while every rank it may go to is full and is decided when capacity
 frees; cancelling the awaitable takes it out of the queue; a timeout raises a 429."""
 

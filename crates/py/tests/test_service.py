@@ -423,7 +423,7 @@ async def test_track_prefill_tokens_and_weights_reach_the_scheduler():
 
 
 async def test_profile_keeps_routing_weights_out_of_effective_prefill():
-    # Issue 29: overlap credit 3, 18 tokens of which 16 cached: 2 to compute under the default
+    # Profiles: overlap credit 3, 18 tokens of which 16 cached: 2 to compute under the default
     # profile; Dynamo's formula (profile="dynamo") lets the credit in and reports and books 0.
     for kwargs, want in [({}, 2), ({"profile": "kvroute"}, 2), ({"profile": "dynamo"}, 0)]:
         svc = await with_workers(1, overlap_score_credit=3, **kwargs)

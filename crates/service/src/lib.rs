@@ -27,6 +27,8 @@
 //! courtesy, error, types, metrics, ingest, sync, admission::queue, config, state, admission, api,
 //! http, sync_tasks (held by the test `tests::modules_depend_in_one_direction`). The admission
 //! queue's data sits below the state that holds it; the rest of admission above it.
+//!
+//! `SPEC §n` in this crate is section n of `docs/SPEC.md`.
 // Unsafe code is denied everywhere but in `http::json::avx512` (a bench proved its need).
 #![deny(unsafe_code)]
 

@@ -2,7 +2,7 @@
 //! `kvroute_*`. Per-rank load, pending-cache and index sizes are refreshed from the selector when
 //! `/metrics` is scraped; counters of events are incremented as they happen.
 //!
-//! Decision quality (issue 29): every successful `/select` and `/select_and_reserve` adds the
+//! Decision quality: every successful `/select` and `/select_and_reserve` adds the
 //! chosen rank's device overlap (`kind="chosen"`) and the largest device overlap among its
 //! candidate ranks (`kind="best"`, see `Selection::best_gpu_overlap`) to
 //! `kvroute_selection_overlap_tokens_total` per partition, and observes `best − chosen` in blocks

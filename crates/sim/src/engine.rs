@@ -16,7 +16,8 @@
 //!    later in the same step already hits them, as in vLLM); their `Stored` events, and the
 //!    `Removed` events of the evictions, are published when the step ends.
 //! 4. The step lasts [`TimingModel::step_nanos`]: prefill of the uncached tokens scheduled, plus a
-//!    decode pass when some request decodes, at the pool's current usage.
+//!    decode pass when some request decodes (at the pool's current usage, or over the decoding
+//!    sequences and their context under the batch engine model).
 //! 5. At the end of the step every request whose tokens are all computed samples one token: the
 //!    first one ends its prefill (time to first token); a request that reaches its output length
 //!    finishes and releases its blocks.
@@ -32,7 +33,7 @@
 //! request between steps (a client that went away).
 
 use crate::pool::{BlockPool, PoolCounters};
-use crate::timing::{Nanos, TimingModel};
+use crate::timing::{DecodeBatch, Nanos, TimingModel};
 use crate::workload::SimRequest;
 use crate::{RequestId, SimError};
 use kvroute_core::event::{KvEvent, StoredBlock};
@@ -367,7 +368,7 @@ impl Engine {
         let block_size = u64::from(self.config.block_size);
         let mut budget = self.config.max_num_batched_tokens;
         let mut prefill_tokens = 0u64;
-        let mut decodes = false;
+        let mut decode = DecodeBatch::default();
         let mut preempted = false;
         self.scheduled.clear();
 
@@ -412,7 +413,8 @@ impl Engine {
             if tokens > 1 || seq.output_done == 0 {
                 prefill_tokens += tokens;
             } else {
-                decodes = true;
+                decode.sequences += 1;
+                decode.context_tokens += seq.total_tokens();
             }
             self.scheduled.push((i, tokens));
             i += 1;
@@ -456,7 +458,8 @@ impl Engine {
                 if tokens > 1 || seq.output_done == 0 {
                     prefill_tokens += tokens;
                 } else {
-                    decodes = true;
+                    decode.sequences += 1;
+                    decode.context_tokens += seq.total_tokens();
                 }
                 self.running.push(seq);
                 self.scheduled.push((self.running.len() - 1, tokens));
@@ -472,10 +475,7 @@ impl Engine {
                 .kv_blocks
                 .unwrap_or(self.config.nominal_kv_blocks)
                 .max(1) as f64;
-        let duration = self
-            .config
-            .timing
-            .step_nanos(prefill_tokens, decodes, usage);
+        let duration = self.config.timing.step_nanos(prefill_tokens, decode, usage);
         self.in_step = true;
         self.counters.steps += 1;
         self.counters.busy_nanos += duration;
@@ -745,12 +745,65 @@ mod tests {
         let mut engine = Engine::new(config(Some(100), 1024));
         engine.submit(0, &requests[0]);
         let prefill = engine.start_step(&requests).unwrap().unwrap();
-        assert_eq!(prefill, TimingModel::default().step_nanos(100, false, 0.25));
+        assert_eq!(
+            prefill,
+            TimingModel::default().step_nanos(100, DecodeBatch::default(), 0.25)
+        );
         engine.finish_step();
         let decode = engine.start_step(&requests).unwrap().unwrap();
-        assert_eq!(decode, TimingModel::default().step_nanos(0, true, 0.26));
+        assert_eq!(
+            decode,
+            TimingModel::default().step_nanos(
+                0,
+                DecodeBatch {
+                    sequences: 1,
+                    context_tokens: 101
+                },
+                0.26
+            )
+        );
         engine.finish_step();
         assert_eq!(engine.counters().busy_nanos, prefill + decode);
+    }
+
+    /// Under the batch engine model a decode step costs more with more sequences and with more
+    /// context, at the same pool usage.
+    #[test]
+    fn batch_model_decode_steps_grow_with_sequences_and_context() {
+        use crate::timing::{BatchDecode, EngineModel};
+        let batch = EngineConfig {
+            timing: TimingModel {
+                engine_model: EngineModel::Batch(BatchDecode::default()),
+                ..TimingModel::default()
+            },
+            ..config(None, 1 << 20)
+        };
+        // Prefills everything in one step, then returns the first decode step's duration.
+        let decode_step = |prompts: &[Vec<u32>]| {
+            let requests: Vec<SimRequest> = prompts.iter().map(|p| request(p, 3)).collect();
+            let mut engine = Engine::new(batch);
+            for (i, r) in requests.iter().enumerate() {
+                engine.submit(i as RequestId, r);
+            }
+            engine.start_step(&requests).unwrap().unwrap();
+            engine.finish_step();
+            engine.start_step(&requests).unwrap().unwrap()
+        };
+        let prompt = |first: u32, len: u32| (first..first + len).collect::<Vec<u32>>();
+        let one_short = decode_step(&[prompt(0, 40)]);
+        let four_short = decode_step(&[
+            prompt(0, 40),
+            prompt(1000, 40),
+            prompt(2000, 40),
+            prompt(3000, 40),
+        ]);
+        let one_long = decode_step(&[prompt(0, 40_000)]);
+        assert!(four_short > one_short, "{four_short} vs {one_short}");
+        assert!(one_long > one_short, "{one_long} vs {one_short}");
+        let d = BatchDecode::default();
+        // One sequence of 41 tokens (its prompt and its first output token).
+        let expected = d.base_ms + d.per_sequence_ms + d.per_context_token_ms * 41.0;
+        assert_eq!(one_short, (expected * 1e6).round() as u64);
     }
 
     #[test]

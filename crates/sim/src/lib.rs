@@ -16,8 +16,12 @@
 //! - [`replicas`]: several routers of one policy that hear of each other's bookings late
 //!   (`--router-replicas`).
 //! - [`sim`]: the event loop ([`sim::run_policy`]).
+//! - [`suite`]: the workload suite (`kvroute sim --suite`): every policy on several traffic
+//!   shapes, loads, replica counts and both engine models, and how far each is from the best.
 //! - [`report`]: per-policy hit rate, decision quality, TTFT, latency, throughput, imbalance,
 //!   preemptions; JSON, a text table and an SVG chart.
+//! - [`timing`]: step durations, under the fitted vLLM model or the batch model whose decode
+//!   step grows with the sequences and their context (`--engine-model`).
 //!
 //! ## Invariants
 //! - **Pure and deterministic**: no async runtime, no clock reads, no global randomness. Time is
@@ -29,6 +33,8 @@
 //! A run is O(steps × running requests + blocks stored and evicted × log). The full Mooncake
 //! conversation trace (12,031 requests, ~145 M prompt tokens) on 8 workers takes seconds per
 //! policy in a release build.
+//!
+//! `SPEC §n` in this crate is section n of `docs/SPEC.md`.
 #![forbid(unsafe_code)]
 
 pub mod engine;
@@ -37,6 +43,7 @@ pub mod pool;
 pub mod replicas;
 pub mod report;
 pub mod sim;
+pub mod suite;
 pub mod timing;
 pub mod workload;
 
@@ -44,7 +51,7 @@ pub use engine::{Engine, EngineConfig};
 pub use policy::{Policy, catalog, resolve};
 pub use report::{Report, UnavailablePolicy, build_report, render_svg};
 pub use sim::{PolicyRun, SimConfig, run_policy};
-pub use timing::TimingModel;
+pub use timing::{BatchDecode, DecodeBatch, EngineModel, TimingModel};
 pub use workload::{AgenticSpec, ArrivalOptions, SimRequest, SyntheticSpec, Workload};
 
 /// Index of a request in its workload.

@@ -9,7 +9,7 @@
 //! | `dynamo` | kvroute's selector with Dynamo's default weights, fed the engines' exact KV events |
 //! | `kvroute` | the selector with kvroute's own settings: prefill-weighted cost, larger cache credit, the core's predict-on-route (see [`kvroute_policy`]) |
 //! | `kvroute-approx-ttl`, `kvroute-approx-lru` | `kvroute` without KV events, relying on the approximate cache models of SPEC §9 |
-//! | `kvroute-session-hard`, `kvroute-session-soft` | `kvroute` with session affinity (issue 30): a session's requests go to the rank its bookings went to, always (hard, Dynamo's behaviour) or unless busy or costlier than the soft factor × the best (soft) |
+//! | `kvroute-session-hard`, `kvroute-session-soft` | `kvroute` with session affinity: a session's requests go to the rank its bookings went to, always (hard, Dynamo's behaviour) or unless busy or costlier than the soft factor × the best (soft) |
 //!
 //! Every selector policy drives [`Selector`] exactly as the HTTP service does: workers are
 //! registered with `upsert_worker`, the engines' events go through `apply_events`, each request

@@ -13,7 +13,7 @@
 //!     cached at first admission, completed requests), the load a cache-aware router piles up
 //!     when it herds requests onto the holder of a prefix.
 //! - `preemptions`: requests the engines evicted from their running batch for lack of KV blocks.
-//! - `decision_quality` (issue 29): Σ over routed requests of the prefix the chosen engine held
+//! - `decision_quality`: Σ over routed requests of the prefix the chosen engine held
 //!   cached at the request's arrival ÷ Σ of the longest prefix any engine held then (every engine
 //!   is a candidate in the simulator), from the engines' real caches, so it is known for every
 //!   policy. 1.0 when no engine ever held any of the prompts (nothing better was on offer).
@@ -83,7 +83,7 @@ pub struct PolicyReport {
     pub evicted_blocks: u64,
     /// Events the router's index could not apply (a simulator bug when non-zero).
     pub index_parent_not_found: u64,
-    /// The router-side queue (issue 31): requests dropped because it was full...
+    /// The router-side queue (admission control): requests dropped because it was full...
     pub shed_queue_full: u64,
     /// ...or because they waited too long...
     pub shed_timed_out: u64,
@@ -226,7 +226,7 @@ pub struct Report {
     pub router_replicas: usize,
     pub sync_delay_ms: f64,
     pub seed: u64,
-    /// The router-side queue, when on (issue 31).
+    /// The router-side queue (admission control), when on.
     pub queue: Option<QueueSettings>,
     /// The TTFT a request must meet to count toward goodput.
     pub ttft_target_ms: f64,

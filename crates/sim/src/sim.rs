@@ -27,7 +27,7 @@ use std::collections::{BinaryHeap, VecDeque};
 use std::time::{Duration, Instant};
 
 /// The event delay `kvroute sim` uses unless told otherwise: about one engine step, the lag of a
-/// KV event published at a step's end and carried over a message bus (issue 29). Report figures
+/// KV event published at a step's end and carried over a message bus. Report figures
 /// at 0 and 100 ms too. [`SimConfig::default`] keeps exact (0 ms) events, which the hand-derived
 /// tests assume.
 pub const DEFAULT_EVENT_DELAY: Duration = Duration::from_millis(20);
@@ -57,7 +57,7 @@ pub struct SimConfig {
     /// and spreads near-equal picks (`kvroute_core::selector::ReplicaSpread`); off, they are
     /// anonymous and pick as a lone router would.
     pub replica_spread: bool,
-    /// The router-side queue (issue 31; `None`: every request is routed when it arrives).
+    /// The router-side queue (admission control; `None`: every request is routed when it arrives).
     pub queue: Option<SimQueue>,
     /// A request whose TTFT is at most this counts toward goodput.
     pub ttft_target: Duration,
@@ -123,7 +123,7 @@ pub struct RequestOutcome {
     pub prompt_tokens: u64,
     /// When routed: the prompt's prefix cached on the chosen engine, in tokens, at arrival...
     pub chosen_overlap_tokens: u64,
-    /// ...and the longest such prefix on any engine then (the decision quality of issue 29,
+    /// ...and the longest such prefix on any engine then (the decision quality,
     /// against the engines' real caches).
     pub best_overlap_tokens: u64,
     /// When the step that first admitted it started.
@@ -150,7 +150,7 @@ pub enum Shed {
     TimedOut,
 }
 
-/// The router-side queue of issue 31, as the simulator runs it (`kvroute_core::admission`).
+/// The router-side queue (admission control), as the simulator runs it (`kvroute_core::admission`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SimQueue {
     /// Requests wait while every worker's routed, not yet prefilled prompt tokens exceed this ×

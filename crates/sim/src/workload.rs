@@ -46,7 +46,7 @@ pub struct SimRequest {
     /// [`sessions_by_opening`]); the session policies route on it.
     pub session_id: Option<u64>,
     /// The tenant it belongs to, when the workload knows it (the agentic workload does); the
-    /// router-side queue shares capacity between tenants (issue 31).
+    /// router-side queue shares capacity between tenants (fairness).
     pub tenant: Option<u32>,
 }
 
@@ -193,7 +193,7 @@ pub fn parse_mooncake(reader: impl BufRead) -> Result<Vec<MooncakeRow>, SimError
 }
 
 /// Mixes a 64-bit value (splitmix64's finaliser).
-fn mix64(mut z: u64) -> u64 {
+pub(crate) fn mix64(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
@@ -201,7 +201,7 @@ fn mix64(mut z: u64) -> u64 {
 }
 
 /// Appends `len` tokens of the segment named `key`: token `j` depends only on `(key, j)`.
-fn push_segment(tokens: &mut Vec<u32>, key: u64, len: usize) {
+pub(crate) fn push_segment(tokens: &mut Vec<u32>, key: u64, len: usize) {
     let base = mix64(key);
     tokens.extend(
         (0..len as u64).map(|j| (mix64(base ^ j.wrapping_mul(0xd6e8_feb8_6659_fd93)) >> 32) as u32),

@@ -296,7 +296,7 @@ fn the_chart_names_every_policy() {
     );
 }
 
-/// Decision quality (issue 29): one worker is always the best one on offer, so 1 for every policy,
+/// Decision quality: one worker is always the best one on offer, so 1 for every policy,
 /// from the engines' caches and from the selector's index alike; on a fleet it is a fraction, and
 /// round robin leaves cached prefixes behind.
 #[test]
@@ -339,7 +339,7 @@ fn decision_quality_is_a_fraction_and_1_with_one_worker() {
     }
 }
 
-/// Issue 31: the router-side queue. An overloaded two-worker fleet (96 prompts of 2,304 tokens at
+/// The router-side queue. An overloaded two-worker fleet (96 prompts of 2,304 tokens at
 /// 400 req/s) with the queue on: requests wait in the router while both workers hold more than
 /// the threshold of routed prompt tokens, each is then routed or shed, none is lost, and the
 /// waits show in the report; a short timeout and a tiny bound shed.
@@ -433,7 +433,7 @@ fn the_router_queue_holds_requests_while_the_fleet_is_full() {
     }
 }
 
-/// Issue 31: goodput and tenants. The agentic workload's tenants are reported one by one, with
+/// Queue: goodput and tenants. The agentic workload's tenants are reported one by one, with
 /// Jain's index of their goodput shares; a request meets the target when its TTFT does.
 #[test]
 fn goodput_is_reported_per_tenant() {

@@ -18,6 +18,8 @@
 //! The dependencies go one way: this crate uses `kvroute-service` (its CPU courtesy for
 //! background threads), `kvroute-wire` and `kvroute-core`; the service depends on it only for
 //! its tests.
+//!
+//! `SPEC §n` in this crate is section n of `docs/SPEC.md`.
 
 pub mod client;
 pub mod fake_engine;

@@ -2,7 +2,7 @@
 //! tests.
 //!
 //! - [`Encoding::Array`] mirrors the older `array_like=True` classes. msgspec ignores
-//!   `omit_defaults` for array-like structs (msgspec issue #720), so every field is written,
+//!   `omit_defaults` for array-like structs (jcrist/msgspec#720), so every field is written,
 //!   `nil` included: a `BlockStored` is always 12 elements, a `BlockRemoved` 4, and the batch 3.
 //! - [`Encoding::Map`] mirrors the newer map classes: required fields are always written (nil
 //!   included), defaulted ones (`extra_keys`, `group_idx`, `kv_cache_spec_kind`,

@@ -60,7 +60,7 @@
 //! - SGLang with EAGLE speculative decoding sends `token_ids` as `[token, next token]` pairs;
 //!   Dynamo's own publishers may add `cache_salt` and `block_mm_infos` keys to a map event
 //!   (see `decode`).
-//! - msgspec ignores `omit_defaults` for array-like structs (msgspec issue #720), so array
+//! - msgspec ignores `omit_defaults` for array-like structs (jcrist/msgspec#720), so array
 //!   events carry every field of their release, `nil` included; map events omit defaulted
 //!   fields that are `None`.
 //!
@@ -79,6 +79,8 @@
 //! One pass over the payload; a 32-event batch of 16 blocks × 64 tokens (~110 KB) decodes in a
 //! few tens of microseconds (`benches/decode.rs`). Hashing in [`to_kv_events`] is linear in the
 //! number of tokens.
+//!
+//! `SPEC §n` in this crate is section n of `docs/SPEC.md`.
 // Unsafe only in `msgpack_avx512` (SIMD intrinsics), which allows it for itself.
 #![deny(unsafe_code)]
 

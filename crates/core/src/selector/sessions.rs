@@ -1,4 +1,4 @@
-//! Session affinity (issue 30): the requests of one session (a conversation, an agent's run) go
+//! Session affinity: the requests of one session (a conversation, an agent's run) go
 //! to the rank its bookings went to, where its growing prompt is cached.
 //!
 //! ## Bindings

@@ -259,7 +259,7 @@ pub struct Selection {
     pub block_size: u32,
     pub overlap: OverlapTokens,
     /// The largest device overlap, in tokens, any candidate rank held at this selection
-    /// (`overlap.gpu` ≤ this): with `overlap.gpu`, the decision quality of issue 29. Not sent in
+    /// (`overlap.gpu` ≤ this): with `overlap.gpu`, the decision quality in `/metrics`. Not sent in
     /// the JSON answer (Dynamo's has no such field); the service counts it in `/metrics`.
     ///
     /// The candidates are the ranks the selector was allowed to choose from: the partition's

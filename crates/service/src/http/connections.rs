@@ -1,4 +1,4 @@
-//! Serving connections, and what a slow or idle client may hold (issue 31). [`serve`] accepts
+//! Serving connections, and what a slow or idle client may hold. [`serve`] accepts
 //! through a [`GuardedListener`] and serves each connection with hyper's HTTP/1, over a
 //! `GuardedIo`, until the shutdown signal; then it stops accepting, lets each connection
 //! finish the request it has and waits for them all.

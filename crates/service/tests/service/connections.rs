@@ -1,4 +1,4 @@
-//! Slow and idle clients (issue 31): the header-read, body-read and idle timeouts and
+//! Slow and idle clients: the header-read, body-read and idle timeouts and
 //! `--max-connections`, over real sockets on 127.0.0.1, while a real client is served. Every
 //! wait is bounded; the timeouts are short (hundreds of milliseconds) so the tests are too.
 

@@ -38,7 +38,7 @@ fn chromium() -> PathBuf {
     assert!(
         path.is_file(),
         "the dashboard test needs Chromium and found none (KVROUTE_CHROMIUM, `chromium` on PATH, \
-         /usr/bin/chromium): install it with `apt-get install -y chromium` (.ci/run does)"
+         /usr/bin/chromium): install it with `apt-get install -y chromium` (scripts/deps.sh does)"
     );
     path
 }

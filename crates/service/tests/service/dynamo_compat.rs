@@ -1,7 +1,7 @@
 //! Wire compatibility with Dynamo's selection service: every exchange recorded from the real
 //! Dynamo 1.6.1 service (tests/fixtures/dynamo, captured by bench/dynamo/capture.py) is replayed
 //! against kvroute in order. kvroute must answer with the same status and a body with at least
-//! the same fields of the same JSON types — except where SPEC §7.8 (or the issue) makes kvroute
+//! the same fields of the same JSON types — except where SPEC §7.8 (or a decision) makes kvroute
 //! differ on purpose; those exchanges are listed in `DEVIATIONS` with the reason. The service
 //! runs with `--router-profile dynamo`, Dynamo's weights and effective-prefill formula.
 

@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 use tokio::task::JoinHandle;
 
-/// Exchanges where kvroute differs from Dynamo 1.6.1 on purpose (README, "Differences").
+/// Exchanges where kvroute differs from Dynamo 1.6.1 on purpose (docs/admission-queue.md).
 const QUEUE_DEVIATIONS: &[(&str, &str)] = &[
     (
         "lcfs_shutdown_queued_select_and_reserve",

@@ -1,4 +1,4 @@
-//! The admission queue over HTTP (issue 31): requests wait while every rank they may go to is
+//! The admission queue over HTTP: requests wait while every rank they may go to is
 //! full, and leave it decided, timed out (429), refused when it is full (429), when their client
 //! disconnects, or answered 503 at shutdown; tenants share it fairly.
 

@@ -141,7 +141,7 @@ fn sorted_remote(state: &AppState) -> Vec<(String, String)> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The README's scenario: two replicas, one catalog, one load view
+// The scenario of docs/replicas.md: two replicas, one catalog, one load view
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_replicas_share_catalog_and_bookings() {
@@ -605,7 +605,7 @@ async fn sync_spreads_a_popular_prefix_over_the_workers() {
     );
 }
 
-/// Issue 29: each replica finds its place among the replicas it shares bookings with
+/// Replica spread: each replica finds its place among the replicas it shares bookings with
 /// (`ReplicaSpread`: near-equal picks spread by it), refreshed by the housekeeping tick, and is
 /// alone again once the other's bookings are gone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

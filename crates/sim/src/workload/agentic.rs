@@ -1,4 +1,4 @@
-//! The agentic workload (`--synthetic agentic`, issue 29): tenants, multi-turn tool-using
+//! The agentic workload (`--synthetic agentic`): tenants, multi-turn tool-using
 //! sessions, fan-out bursts and one-shot requests, seeded.
 //!
 //! - **Tenants** (`tenants`, 8): each has its own system prompt, of a length drawn once per tenant
@@ -80,7 +80,7 @@ pub struct AgenticSpec {
     /// Estimated decode pace for the turn arrivals, ms per output token.
     pub est_ms_per_token: f64,
     /// Tenant 0 starts this many times as many sessions (and one-shot requests) as each other
-    /// tenant (1: all alike), for fairness experiments (issue 31).
+    /// tenant (1: all alike), for the router queue's fairness experiments.
     pub tenant_skew: f64,
     pub seed: u64,
 }

@@ -3,7 +3,7 @@
 
 use super::*;
 
-/// Issue 29: with `overlap_score_credit` 3, a prompt with 2 uncached tokens reports and books 2
+/// Profiles: with `overlap_score_credit` 3, a prompt with 2 uncached tokens reports and books 2
 /// effective prefill tokens under the default profile, and 0 (Dynamo's formula) under `dynamo`.
 #[test]
 fn routing_credit_leaks_into_effective_prefill_only_under_the_dynamo_profile() {
@@ -174,7 +174,7 @@ fn best_overlap_counts_a_holder_the_cost_excluded_but_not_one_the_caller_exclude
     assert_eq!((sel.overlap.gpu, sel.best_gpu_overlap), (4, 4));
 }
 
-/// Issue 29: two replicas that hear of each other's bookings late pick from their own share of
+/// Spread: two replicas that hear of each other's bookings late pick from their own share of
 /// near-equal ranks, so from one view they pick different ranks; alone they pick the same one;
 /// a prefix's holder still wins on both.
 #[test]

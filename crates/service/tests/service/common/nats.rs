@@ -1,6 +1,6 @@
 //! A `nats-server` of a test's own (the Debian package's binary), on 127.0.0.1 with a free port
 //! and a temporary JetStream store, killed when dropped. Shared by the replica-sync tests of
-//! `kvroute-service` and the README scenario test of the `kvroute` binary (`#[path]`-included).
+//! `kvroute-service` and the docs/replicas.md test of the `kvroute` binary (`#[path]`-included).
 //!
 //! The binary: `KVROUTE_NATS_SERVER`, else `nats-server` on the PATH, else
 //! `/usr/sbin/nats-server`; without one the test fails and says how to install it.
@@ -30,7 +30,7 @@ pub fn nats_server_binary() -> PathBuf {
         panic!(
             "nats-server not found (looked at $KVROUTE_NATS_SERVER, the PATH and \
              /usr/sbin/nats-server): install it with `apt-get install nats-server` \
-             (.ci/run does) or point KVROUTE_NATS_SERVER at the binary"
+             (scripts/deps.sh does) or point KVROUTE_NATS_SERVER at the binary"
         )
     })
 }
