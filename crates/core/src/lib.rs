@@ -39,6 +39,7 @@ pub mod load;
 pub mod pending;
 pub mod schedule;
 pub mod selector;
+pub mod speed;
 
 #[cfg(test)]
 mod tests;

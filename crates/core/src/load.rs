@@ -62,6 +62,7 @@ use hashbrown::{HashMap, HashSet};
 use smallvec::SmallVec;
 
 use crate::event::{Rank, WorkerId};
+use crate::speed::{Calibration, EnginePrior, RankSpeeds};
 
 /// Failures of the load tracker. `Display` renders the client-facing messages of SPEC §7.4.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -130,6 +131,9 @@ pub struct BookingView {
     /// This booking's own decode contribution: its decode blocks were it alone on the rank.
     pub decode_blocks: u64,
     pub booked_at: Instant,
+    /// The rank's active prefill tokens just before this booking: the prefill queued ahead of
+    /// it (what its select → `prefill_complete` interval waited for; `crate::speed`).
+    pub prefill_tokens_ahead: u64,
     /// The `now` of the last lifecycle call (or of the booking); expiry counts from here.
     pub last_touched: Instant,
 }
@@ -157,6 +161,9 @@ pub struct LoadTracker {
     idle_order: BTreeMap<(Instant, u64), Arc<str>>,
     next_serial: u64,
     ranks: RankTable,
+    /// Engine speeds learned from the lifecycle calls (`crate::speed`).
+    calibration: Calibration,
+    prior: EnginePrior,
 }
 
 #[derive(Debug)]
@@ -197,6 +204,10 @@ impl LoadTracker {
         };
 
         let slot = self.ranks.slot_or_insert(booking.rank);
+        let prefill_tokens_ahead = self
+            .ranks
+            .state_mut(slot)
+            .map_or(0, |r| u64::try_from(r.prefill_tokens).unwrap_or(u64::MAX));
         self.ranks.reserve_blocks(booking.sequence_hashes.len());
         let mut shared_blocks = 0;
         let mut hint = 0;
@@ -229,6 +240,7 @@ impl LoadTracker {
             output_blocks: 0,
             decode_blocks: prompt_blocks,
             booked_at: now,
+            prefill_tokens_ahead,
             last_touched: now,
         };
         self.bookings.insert(
@@ -257,6 +269,14 @@ impl LoadTracker {
         };
         touch(&mut self.idle_order, id, state, now);
         if !state.view.prefill_complete {
+            if state.view.track_prefill_tokens {
+                self.calibration.observe_prefill(
+                    state.view.prefill_tokens_ahead,
+                    state.view.effective_prefill_tokens,
+                    now.saturating_duration_since(state.view.booked_at),
+                    &self.prior,
+                );
+            }
             state.view.prefill_complete = true;
             let released = std::mem::take(&mut state.view.active_prefill_tokens);
             if let Some(rank) = self.ranks.get_mut(state.view.rank) {
@@ -284,6 +304,20 @@ impl LoadTracker {
         let Some((id, state)) = self.bookings.get_key_value_mut(reservation_id) else {
             return Err(not_found(reservation_id));
         };
+        if state.view.output_blocks > 0 {
+            // The previous call was this booking's previous output block: one block of steps.
+            let rank = self.ranks.get(state.view.rank).map(RankState::load);
+            if let Some(load) = rank {
+                self.calibration.observe_decode_block(
+                    load.active_requests,
+                    load.active_decode_blocks
+                        .saturating_mul(u64::from(state.view.block_size)),
+                    state.view.block_size,
+                    now.saturating_duration_since(state.view.last_touched),
+                    &self.prior,
+                );
+            }
+        }
         touch(&mut self.idle_order, id, state, now);
         let view = &mut state.view;
         view.output_blocks = view.output_blocks.saturating_add(1);
@@ -342,8 +376,34 @@ impl LoadTracker {
     /// Removes everything the booking holds (implies prefill complete). A second free of the same
     /// id is [`LoadError::NotFound`].
     pub fn free(&mut self, reservation_id: &str) -> Result<FreedBooking, LoadError> {
-        self.remove(reservation_id)
-            .ok_or_else(|| not_found(reservation_id))
+        let freed = self
+            .remove(reservation_id)
+            .ok_or_else(|| not_found(reservation_id))?;
+        let view = &freed.booking;
+        if view.output_blocks > 0 {
+            // Reported blocks, plus half a block for the partial one never reported.
+            let tokens = view
+                .output_blocks
+                .saturating_mul(u64::from(view.block_size))
+                .saturating_add(u64::from(view.block_size) / 2);
+            self.calibration.observe_output(tokens, &self.prior);
+        }
+        Ok(freed)
+    }
+
+    /// Sets the engine prior the calibration starts from (`crate::speed`).
+    pub fn set_engine_prior(&mut self, prior: EnginePrior) {
+        self.prior = prior;
+    }
+
+    /// The engine speeds now: the prior corrected by what the lifecycle calls measured.
+    pub fn speeds(&self, expected_output_tokens: Option<u64>) -> RankSpeeds {
+        self.calibration.speeds(expected_output_tokens, &self.prior)
+    }
+
+    /// What the speeds were learned from.
+    pub fn calibration(&self) -> &Calibration {
+        &self.calibration
     }
 
     /// Frees every booking with no lifecycle call for at least `max_idle` before `now` (a

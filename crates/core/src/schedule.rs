@@ -1,6 +1,8 @@
 //! Scheduling (SPEC §6): the cost of sending a prompt to each eligible rank, and the pick.
 //!
-//! For each rank (lower is better):
+//! Two costs, by [`RouterProfile`] (lower is better).
+//!
+//! **`dynamo`** — Dynamo 1.6.1's, in blocks:
 //! ```text
 //! prefill_blocks = (active_prefill_tokens + isl_tokens) / block_size            (real-valued)
 //! credit         = overlap_score_credit * device_blocks
@@ -9,17 +11,39 @@
 //! cost           = prefill_load_scale * max(0, prefill_blocks - credit)
 //!                + potential_decode_blocks + decode_active_request_weight * active_requests
 //! ```
+//!
+//! **`kvroute`** (the default) — what the fleet loses, in predicted milliseconds: this request's
+//! time to first token on the rank, plus the time the requests already running there lose to it,
+//! plus its own decode time, with the speeds of `crate::speed` (a prior, corrected online by what
+//! the lifecycle calls measure):
+//! ```text
+//! u        = max(0, isl_tokens - overlap_score_credit * cached_tokens)   cached by engine tier
+//! n        = active_requests,  kv = active_decode_blocks * block_size,  kv' = after booking
+//! L        = expected output tokens (the request's, else the mean measured)
+//! ttft     = prefill_ms_per_token * active_prefill_tokens + prefill(u)
+//! stall    = n * prefill(u)                      every running request waits out its prefill
+//! decode   = L * decode_step(n + 1, kv')         its own decode, slowed by the others
+//!          + n * L * (decode_step(n + 1, kv') - decode_step(n, kv))   the others', slowed by it
+//! cost     = prefill_load_scale * ttft + stall + decode + decode_active_request_weight * n
+//! ```
+//! `prefill_load_scale` weighs the request's own time to first token against the time the others
+//! lose (32 by default, [`SchedulerConfig::for_profile`]). A prefix holder wins while the prefill
+//! it saves outweighs what its running batch loses; a holder whose batch has grown loses to a
+//! less loaded rank, which then becomes a holder too (the prompt is predicted there on route), so
+//! a hot prefix gains holders as its demand grows, and as demand falls the holders' batches
+//! shrink and the existing holders win again.
+//!
 //! Temperature 0 picks the lowest cost, exact ties broken uniformly at random; temperature T > 0
 //! min-max normalises the costs to [0, 1] and samples with p ∝ exp(−cost / T). The random source
 //! is an argument, so tests and the simulator are deterministic.
 //!
-//! The weights are routing preferences. What a select reports and a booking carries as
-//! `effective_prefill_tokens` — the tokens the engine will still compute — depends on the
-//! [`RouterProfile`]: under `kvroute` (the default) it is the prompt minus its cached tokens
-//! weighted by tier as the engine pays for them ([`ENGINE_TIER_WEIGHTS`]), whatever the weights;
-//! under `dynamo` it is Dynamo 1.6.1's formula, in which the routing credit leaks in.
+//! What a select reports and a booking carries as `effective_prefill_tokens` — the tokens the
+//! engine will still compute — depends on the profile: under `kvroute` it is the prompt minus its
+//! cached tokens weighted by tier as the engine pays for them ([`ENGINE_TIER_WEIGHTS`]), whatever
+//! the weights; under `dynamo` it is Dynamo 1.6.1's formula, in which the routing credit leaks in.
 
 use crate::event::Rank;
+use crate::speed::{EnginePrior, RankSpeeds};
 use rand::Rng;
 use std::fmt;
 use std::str::FromStr;
@@ -30,8 +54,8 @@ use std::str::FromStr;
 /// `kvroute` and `dynamo` policies) come from [`SchedulerConfig::for_profile`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum RouterProfile {
-    /// kvroute's own weights (prefill-weighted cost, larger cache credit); effective prefill is
-    /// what the engine will compute, independent of the weights.
+    /// kvroute's own cost, in predicted time (see the module documentation); effective prefill
+    /// is what the engine will compute, independent of the weights.
     #[default]
     Kvroute,
     /// Dynamo 1.6.1's weights and effective-prefill formula, for identical decisions.
@@ -106,21 +130,21 @@ pub struct SchedulerConfig {
     /// A rank is busy when its active prefill tokens reach this fraction of
     /// `max_num_batched_tokens`.
     pub busy_prefill_fraction: Option<f64>,
+    /// The engine speeds the `kvroute` cost assumes before it has measured any (`crate::speed`).
+    pub engine: EnginePrior,
 }
 
 impl SchedulerConfig {
     /// A profile's defaults: the one place they are written down.
     ///
-    /// `dynamo` is Dynamo 1.6.1's (SPEC §6). `kvroute` changes two weights, tuned on the
-    /// simulator (`crates/sim/README.md`):
-    /// - `prefill_load_scale` 32 (Dynamo: 1): in Dynamo's cost a rank's decode blocks (its whole
-    ///   KV footprint, hundreds to thousands of blocks) swamp the prefill term (this prompt's
-    ///   uncached blocks plus the prefill queued there), so the cache credit rarely decides
-    ///   anything and the router mostly balances KV footprint. Time to first token is set by the
-    ///   prefill queue, so the prefill term is weighted up and the decode blocks only break
-    ///   near-ties.
-    /// - `overlap_score_credit` 3 (Dynamo: 1): a cached block is worth more than the compute it
-    ///   saves now — keeping a conversation on the rank that holds it keeps its next turn a hit.
+    /// `dynamo` is Dynamo 1.6.1's (SPEC §6). `kvroute` costs in predicted time (the module
+    /// documentation), where the same two weights mean: `overlap_score_credit` 1, a cached
+    /// token saves one token of prefill; `prefill_load_scale` 32, the request's own time to first
+    /// token weighs 32 times a millisecond lost by one of the requests already running. Users
+    /// wait on the first token; the running requests' losses are spread over their streams. The
+    /// weight is a preference measured on the simulator's suite (six workload shapes, four
+    /// loads, one and two routers, two engine models; `crates/sim/README.md`), where 8, 16, 32
+    /// and 64 were tried; the judgement of cache against load comes from the measured speeds.
     pub fn for_profile(profile: RouterProfile) -> Self {
         let dynamo = Self {
             profile,
@@ -134,11 +158,11 @@ impl SchedulerConfig {
             busy_decode_fraction: None,
             busy_prefill_tokens: None,
             busy_prefill_fraction: None,
+            engine: EnginePrior::default(),
         };
         match profile {
             RouterProfile::Dynamo => dynamo,
             RouterProfile::Kvroute => Self {
-                overlap_score_credit: 3.0,
                 prefill_load_scale: 32.0,
                 ..dynamo
             },
@@ -217,8 +241,16 @@ impl SchedulerConfig {
         effective_prefill_tokens(isl_tokens, block_size, credit)
     }
 
-    /// The cost of one candidate (lower is better).
+    /// The cost of one candidate (lower is better): by the profile, in blocks or in predicted
+    /// milliseconds (the module documentation).
     pub fn cost(&self, c: &Candidate, isl_tokens: u64, block_size: u32) -> f64 {
+        match self.profile {
+            RouterProfile::Dynamo => self.block_cost(c, isl_tokens, block_size),
+            RouterProfile::Kvroute => self.time_cost(c, isl_tokens, block_size),
+        }
+    }
+
+    fn block_cost(&self, c: &Candidate, isl_tokens: u64, block_size: u32) -> f64 {
         let block_size = f64::from(block_size.max(1));
         let prefill_blocks = (c.active_prefill_tokens as f64 + isl_tokens as f64) / block_size;
         let credit = self.credit(c.device_blocks, c.host_blocks, c.disk_blocks);
@@ -226,6 +258,62 @@ impl SchedulerConfig {
         self.prefill_load_scale * adjusted
             + c.potential_decode_blocks as f64
             + self.decode_active_request_weight * c.active_requests as f64
+    }
+
+    /// The tokens this rank would compute for the prompt, as routing counts them: the engine's
+    /// cached tokens by tier, times `overlap_score_credit`.
+    pub fn routed_prefill_tokens(&self, c: &Candidate, isl_tokens: u64, block_size: u32) -> f64 {
+        let cached = tier_credit(
+            ENGINE_TIER_WEIGHTS,
+            c.device_blocks,
+            c.host_blocks,
+            c.disk_blocks,
+        ) * f64::from(block_size);
+        (isl_tokens as f64 - self.overlap_score_credit * cached).max(0.0)
+    }
+
+    /// What the request's own prefill adds on this rank, the tolerance replicas spread within
+    /// (`crate::selector::sync`): in blocks × `prefill_load_scale` under `dynamo`, in
+    /// milliseconds under `kvroute`.
+    pub fn own_prefill_cost(&self, c: &Candidate, isl_tokens: u64, block_size: u32) -> f64 {
+        match self.profile {
+            RouterProfile::Dynamo => {
+                self.prefill_load_scale
+                    * self.effective_prefill_tokens(
+                        isl_tokens,
+                        block_size,
+                        c.device_blocks,
+                        c.host_blocks,
+                        c.disk_blocks,
+                    ) as f64
+                    / f64::from(block_size.max(1))
+            }
+            // Unweighted: the spread tolerates what one prefill of this prompt costs the rank.
+            RouterProfile::Kvroute => {
+                let u = self.routed_prefill_tokens(c, isl_tokens, block_size);
+                c.speeds.prefill_ms(u.max(1.0))
+            }
+        }
+    }
+
+    fn time_cost(&self, c: &Candidate, isl_tokens: u64, block_size: u32) -> f64 {
+        let s = &c.speeds;
+        let bs = f64::from(block_size.max(1));
+        let n = c.active_requests as f64;
+        let output = s.output_tokens.max(0.0);
+        // At least one token is computed even for a fully cached prompt.
+        let own_prefill = s.prefill_ms(
+            self.routed_prefill_tokens(c, isl_tokens, block_size)
+                .max(1.0),
+        );
+        let ttft = s.prefill_ms_per_token * c.active_prefill_tokens as f64 + own_prefill;
+        let stall = n * own_prefill;
+        let kv_before = c.active_decode_blocks as f64 * bs;
+        let kv_after = c.potential_decode_blocks as f64 * bs;
+        let step_with = s.decode_step_ms(n + 1.0, kv_after);
+        let added_step = (step_with - s.decode_step_ms(n, kv_before)).max(0.0);
+        let decode = output * step_with + n * output * added_step;
+        self.prefill_load_scale * ttft + stall + decode + self.decode_active_request_weight * n
     }
 
     /// Whether a rank is over one of the busy thresholds.
@@ -270,6 +358,8 @@ pub struct Candidate {
     pub active_requests: u64,
     pub total_kv_blocks: Option<u64>,
     pub max_num_batched_tokens: Option<u64>,
+    /// The engine speeds the `kvroute` cost uses (`crate::speed`).
+    pub speeds: RankSpeeds,
 }
 
 /// Picks an index into `costs`: the argmin with uniform tie-break at temperature 0, else a softmax
@@ -332,6 +422,7 @@ mod tests {
             active_requests: 0,
             total_kv_blocks: None,
             max_num_batched_tokens: None,
+            speeds: RankSpeeds::from_prior(&EnginePrior::default()),
         }
     }
 
@@ -413,7 +504,7 @@ mod tests {
         assert_eq!(SchedulerConfig::default(), kvroute);
         assert_eq!(
             (kvroute.overlap_score_credit, kvroute.prefill_load_scale),
-            (3.0, 32.0)
+            (1.0, 32.0)
         );
         assert_eq!(
             (dynamo.overlap_score_credit, dynamo.prefill_load_scale),
@@ -423,7 +514,6 @@ mod tests {
         assert_eq!(
             SchedulerConfig {
                 profile: RouterProfile::Dynamo,
-                overlap_score_credit: 1.0,
                 prefill_load_scale: 1.0,
                 ..kvroute
             },
@@ -465,6 +555,96 @@ mod tests {
                 .effective_prefill_tokens(18, 4, 4, 4, 4),
             2
         );
+    }
+
+    /// A rank holding `held` of a 4,864-token prompt (block 64) with `running` requests of
+    /// `context` tokens each.
+    fn loaded(worker: u64, held_tokens: u32, running: u64, context: u64) -> Candidate {
+        let blocks = held_tokens / 64;
+        let kv_blocks = running * context / 64;
+        Candidate {
+            active_decode_blocks: kv_blocks,
+            potential_decode_blocks: kv_blocks + (4864 / 64 - u64::from(blocks)),
+            active_requests: running,
+            ..candidate(worker, blocks, 0)
+        }
+    }
+
+    #[test]
+    fn a_holder_wins_until_its_running_batch_outweighs_the_prefix() {
+        let config = SchedulerConfig::default();
+        let cost = |c: &Candidate| config.cost(c, 4864, 64);
+        let idle = loaded(2, 0, 0, 0);
+        // Holding the 4,096-token system prompt with a few requests running: the holder.
+        assert!(cost(&loaded(1, 4096, 2, 5000)) < cost(&idle));
+        // The holder's batch grows; at some size the idle rank wins, and stays the winner.
+        let crossover = (0..200u64)
+            .find(|&n| cost(&loaded(1, 4096, n, 5000)) > cost(&idle))
+            .expect("a large enough batch loses to an idle rank");
+        assert!((3..100).contains(&crossover), "crossover at {crossover}");
+        for n in crossover..crossover + 50 {
+            assert!(cost(&loaded(1, 4096, n, 5000)) > cost(&idle), "{n}");
+        }
+        // A longer cached prefix is worth a larger batch.
+        let long = |n: u64| {
+            let mut c = loaded(1, 4096, n, 5000);
+            c.device_blocks = 4800 / 64;
+            c.host_blocks = c.device_blocks;
+            c.disk_blocks = c.device_blocks;
+            c
+        };
+        let long_crossover = (0..400u64).find(|&n| cost(&long(n)) > cost(&idle));
+        assert!(
+            long_crossover.is_none_or(|n| n >= crossover),
+            "{long_crossover:?}"
+        );
+        // Queued prefill on the holder counts at the request's own weight.
+        let mut queued = loaded(1, 4096, 2, 5000);
+        queued.active_prefill_tokens = 50_000;
+        assert!(cost(&queued) > cost(&idle));
+    }
+
+    #[test]
+    fn slower_engines_and_longer_outputs_shift_the_balance_towards_load() {
+        let config = SchedulerConfig::default();
+        let holder = loaded(1, 4096, 12, 5000);
+        let idle = loaded(2, 0, 0, 0);
+        let margin = |speeds: RankSpeeds| {
+            let (mut h, mut i) = (holder, idle);
+            h.speeds = speeds;
+            i.speeds = speeds;
+            config.cost(&h, 4864, 64) - config.cost(&i, 4864, 64)
+        };
+        let prior = RankSpeeds::from_prior(&EnginePrior::default());
+        // A decode step that grows faster with the batch, or longer outputs, make joining the
+        // holder's batch dearer; a slower prefill makes the cached prefix worth more.
+        let heavy_decode = RankSpeeds {
+            decode_ms_per_request: prior.decode_ms_per_request * 10.0,
+            ..prior
+        };
+        let long_outputs = RankSpeeds {
+            output_tokens: prior.output_tokens * 4.0,
+            ..prior
+        };
+        let slow_prefill = RankSpeeds {
+            prefill_ms_per_token: prior.prefill_ms_per_token * 4.0,
+            ..prior
+        };
+        assert!(margin(heavy_decode) > margin(prior));
+        assert!(margin(long_outputs) > margin(prior));
+        assert!(margin(slow_prefill) < margin(prior));
+    }
+
+    #[test]
+    fn the_dynamo_profile_keeps_its_block_cost() {
+        // Speeds change nothing under Dynamo's profile.
+        let config = SchedulerConfig::for_profile(RouterProfile::Dynamo);
+        let mut c = candidate(1, 2, 10);
+        let before = config.cost(&c, 10 * 16, 16);
+        c.speeds.prefill_ms_per_token *= 10.0;
+        c.speeds.output_tokens = 10_000.0;
+        assert_eq!(config.cost(&c, 10 * 16, 16), before);
+        assert_eq!(before, 18.0);
     }
 
     #[test]

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 const ORDER: &[&str] = &[
     "event",
     "hash",
+    "speed",
     "index",
     "load",
     "pending",

@@ -420,6 +420,7 @@ impl ServeConfig {
             busy_decode_fraction: self.busy_decode_fraction,
             busy_prefill_tokens: self.busy_prefill_tokens,
             busy_prefill_fraction: self.busy_prefill_fraction,
+            engine: profile.engine,
         }
     }
 

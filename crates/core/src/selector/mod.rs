@@ -214,7 +214,11 @@ impl Selector {
             })),
             workers: HashMap::new(),
             partitions: BTreeMap::new(),
-            load: Mutex::new(LoadTracker::new()),
+            load: Mutex::new({
+                let mut load = LoadTracker::new();
+                load.set_engine_prior(config.scheduler.engine);
+                load
+            }),
             pending: Mutex::new(PendingCache::new(config.pending)),
             predictions: Mutex::new(predict::Predictions::new(config.predict)),
             predictions_queued: AtomicBool::new(false),

@@ -32,8 +32,10 @@ impl Selector {
         overlaps: &Overlaps,
         hashes: &PromptHashes,
         block_size: u32,
+        expected_output_tokens: Option<u64>,
     ) -> Vec<(Candidate, &'w WorkerRecord)> {
         let load = locked(&self.load);
+        let speeds = load.speeds(expected_output_tokens);
         let potential = load.potential_decode(&hashes.sequence, hashes.isl_tokens, block_size);
         // One rank per worker is the common case.
         let mut out = Vec::with_capacity(workers.len());
@@ -54,6 +56,7 @@ impl Selector {
                         active_requests: rank_load.active_requests,
                         total_kv_blocks: record.spec.total_kv_blocks,
                         max_num_batched_tokens: record.spec.max_num_batched_tokens,
+                        speeds,
                     },
                     record,
                 ));
@@ -96,7 +99,13 @@ impl Selector {
         hashes: &PromptHashes,
         block_size: u32,
     ) -> Vec<(Candidate, &'w WorkerRecord)> {
-        let mut candidates = self.candidates(eligible, overlaps, hashes, block_size);
+        let mut candidates = self.candidates(
+            eligible,
+            overlaps,
+            hashes,
+            block_size,
+            req.expected_output_tokens,
+        );
         if let Some(PinnedWorker {
             dp_rank: Some(d), ..
         }) = req.pinned_worker
@@ -204,17 +213,9 @@ impl Selector {
                 .filter(|_| config.profile == RouterProfile::Kvroute);
             match spread {
                 Some(s) => {
-                    // What this request adds to the rank it goes to: its uncached prefill there.
+                    // What this request adds to the rank it goes to: its own prefill there.
                     let c = &candidates[free[picked]].0;
-                    let own = config.prefill_load_scale
-                        * config.effective_prefill_tokens(
-                            hashes.isl_tokens,
-                            block_size,
-                            c.device_blocks,
-                            c.host_blocks,
-                            c.disk_blocks,
-                        ) as f64
-                        / f64::from(block_size.max(1));
+                    let own = config.own_prefill_cost(c, hashes.isl_tokens, block_size);
                     s.pick(&free, &costs, picked, own)
                 }
                 None => free[picked],

@@ -15,13 +15,19 @@ fn tainted(worker_id: WorkerId, taints: &[&str]) -> WorkerSpec {
 /// Dynamo's recorded fleet: worker 1 (no taints) holds 16 of the 17 prompt tokens, 2 and 3
 /// hold nothing and carry taints.
 fn fleet(profile: RouterProfile) -> Selector {
+    fleet_caching(profile, 16)
+}
+
+/// Workers 1, 2 (`gpu=h100`, `pref`, zone a) and 3 (`gpu=a100`, `other`); worker 1 caches the
+/// first `cached_tokens` of `tokens(..)`.
+fn fleet_caching(profile: RouterProfile, cached_tokens: u32) -> Selector {
     let mut s = Selector::new(SelectorConfig::for_profile(profile));
     s.upsert_worker(spec(1)).unwrap();
     let mut zoned = tainted(2, &["gpu=h100", "pref"]);
     zoned.topology_domains.insert("zone".into(), "a".into());
     s.upsert_worker(zoned).unwrap();
     s.upsert_worker(tainted(3, &["gpu=a100", "other"])).unwrap();
-    store_prompt(&mut s, 1, &tokens(16), Tier::Device);
+    store_prompt(&mut s, 1, &tokens(cached_tokens), Tier::Device);
     s
 }
 
@@ -198,13 +204,13 @@ fn preferred_taints_move_the_pick_where_dynamo_moved_it() {
     assert_eq!(pick_of(&s, &constrained(&p, &prompt, &both)), Ok(3));
 }
 
-/// The same multiplier under the default profile, whose cost weighs prefill 32 times: the
-/// strongest preference (× e⁻¹) decides between cold workers but does not give up a cache hit
-/// worth 4 blocks of prefill, where Dynamo's weights would.
+/// The same multiplier under the default profile, whose cost is predicted time: the strongest
+/// preference (× e⁻¹) decides between cold workers but does not give up a cache hit that saves
+/// most of the request's time (16k tokens of prefill).
 #[test]
 fn under_the_default_profile_a_preference_decides_between_equals_not_against_a_cache_hit() {
-    let s = fleet(RouterProfile::Kvroute);
-    let (p, prompt) = (partition(), tokens(17));
+    let s = fleet_caching(RouterProfile::Kvroute, 16_384);
+    let (p, prompt) = (partition(), tokens(16_385));
     let strongest = preferred(&[("pref", f32::INFINITY)]);
     assert_eq!(pick_of(&s, &constrained(&p, &prompt, &strongest)), Ok(1));
     let cold = [2u64, 3];

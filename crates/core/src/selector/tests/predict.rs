@@ -111,7 +111,22 @@ fn a_booking_predicts_its_blocks_for_the_next_select() {
     let next = s
         .select(&select_req(&p, &prompt, None), now, &mut rng())
         .unwrap();
-    assert_eq!(next.worker_id, first.worker_id);
+    assert_eq!(
+        next.best_gpu_overlap, 16,
+        "the index sees the predicted blocks"
+    );
+    // (Saving 16 tokens is not worth joining a running request: the pick may be elsewhere.)
+    let only = [first.worker_id];
+    let next = s
+        .select(
+            &SelectRequest {
+                allowed_worker_ids: Some(&only),
+                ..select_req(&p, &prompt, None)
+            },
+            now,
+            &mut rng(),
+        )
+        .unwrap();
     assert_eq!(next.overlap.gpu, 16);
     assert_eq!(next.effective_prefill_tokens, 1);
     assert_eq!(overlap(&s, first.worker_id, &prompt), (4, 4));
@@ -527,4 +542,87 @@ fn concurrent_replays_through_a_lock_predict_every_block_once() {
     assert_eq!(sizes(&s), (800, 800));
     s.tick(now + TTL);
     assert_eq!(sizes(&s), (0, 0));
+}
+
+/// A hot system prompt held by one worker: as its requests pile up on the holder, the cost in
+/// predicted time seeds other workers (each new holder visible at once, predicted on route);
+/// when demand falls and the engines drop the unconfirmed copies, requests go back to the holder
+/// without seeding anyone again.
+#[test]
+fn a_hot_prefix_gains_holders_with_demand_and_loses_them_when_it_falls() {
+    let mut s = events_selector_with(SelectorConfig::default(), &[1, 2, 3, 4]);
+    let p = partition();
+    let start = Instant::now();
+    let system: Vec<u32> = tokens(4096);
+    apply(
+        &mut s,
+        1,
+        stored(&system, 0, 4096 / BS as usize, Tier::Device),
+    );
+    let prompt = |i: u32| {
+        let mut t = system.clone();
+        t.extend((0..768).map(|k| 1_000_000 + i * 1000 + k));
+        t
+    };
+    let mut holders_seen = std::collections::BTreeSet::new();
+    let mut picks = Vec::new();
+    for i in 0..64u32 {
+        let now = start + Duration::from_millis(u64::from(i));
+        let t = prompt(i);
+        let (sel, _) = s
+            .select_and_reserve(
+                &select_req(&p, &t, None),
+                Some(&format!("r{i}")),
+                now,
+                &mut rng(),
+            )
+            .unwrap();
+        s.prefill_complete(&format!("r{i}"), now).unwrap();
+        picks.push(sel.worker_id);
+        if holders_seen.insert(sel.worker_id) && i > 0 {
+            // A newly seeded worker holds the system prompt for the next select already.
+            assert_eq!(
+                overlap(&s, sel.worker_id, &system).0,
+                4096 / BS,
+                "request {i}"
+            );
+        }
+    }
+    assert_eq!(picks[0], 1, "the holder first");
+    assert_eq!(
+        picks[1], 1,
+        "a holder with one request still beats recomputing 4k tokens"
+    );
+    assert!(holders_seen.len() >= 3, "the hot prefix spread: {picks:?}");
+    let per_worker = |w| picks.iter().filter(|&&x| x == w).count();
+    assert!(
+        per_worker(1) < 40,
+        "the holder was not piled onto: {picks:?}"
+    );
+
+    // Demand falls: every request ends; the seeded copies were never confirmed by their
+    // engines and expire.
+    for i in 0..64u32 {
+        s.free(&format!("r{i}"), start + Duration::from_secs(1))
+            .unwrap();
+    }
+    let later = start + Duration::from_secs(30);
+    s.expire_predictions(later);
+    for w in [2, 3, 4] {
+        assert_eq!(overlap(&s, w, &system).0, 0, "worker {w} dropped its copy");
+    }
+    for i in 100..120u32 {
+        let now = later + Duration::from_millis(u64::from(i) * 100);
+        let t = prompt(i);
+        let id = format!("r{i}");
+        let (sel, _) = s
+            .select_and_reserve(&select_req(&p, &t, None), Some(&id), now, &mut rng())
+            .unwrap();
+        assert_eq!(
+            sel.worker_id, 1,
+            "low demand: the one holder serves it (request {i})"
+        );
+        s.prefill_complete(&id, now).unwrap();
+        s.free(&id, now + Duration::from_millis(50)).unwrap();
+    }
 }
