@@ -493,7 +493,7 @@ fn booking_id(
 /// ``profile`` ['kvroute' | 'dynamo': the weights' defaults, as ``--router-profile``; 'dynamo'
 /// gives Dynamo 1.6.1's decisions], ``selection_cache_ttl_secs`` [120],
 /// ``selection_cache_max_entries`` [4096], ``selection_cache_max_bytes`` [256 MiB], and over the
-/// profile's weights ``overlap_score_credit`` [3; dynamo 1], ``prefill_load_scale`` [32; dynamo
+/// profile's weights ``overlap_score_credit`` [1], ``prefill_load_scale`` [32; dynamo
 /// 1], ``host_cache_hit_weight`` [0.75], ``disk_cache_hit_weight`` [0.25],
 /// ``decode_active_request_weight`` [0] (None: the profile's); ``router_temperature`` [0],
 /// ``track_prefill_tokens`` [True], ``busy_decode_fraction``, ``busy_prefill_tokens``,

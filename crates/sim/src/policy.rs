@@ -117,9 +117,9 @@ pub fn dynamo_policy() -> SelectorPolicy {
 
 /// `kvroute`: the selector with kvroute's own defaults. It starts from `dynamo` and changes:
 /// - the scheduler: kvroute-core's default ([`SchedulerConfig::default`], the `kvroute` router
-///   profile, as `kvroute serve` and `kvroute.SelectionService()`): `prefill_load_scale` 32 and
-///   `overlap_score_credit` 3 (the reasons are at [`SchedulerConfig::for_profile`]), effective
-///   prefill counted without the routing credit;
+///   profile, as `kvroute serve` and `kvroute.SelectionService()`): the cost in predicted time
+///   with engine speeds calibrated from the lifecycle calls (the reasons are at
+///   [`SchedulerConfig::for_profile`]), effective prefill counted without the routing credit;
 /// - [`SelectorPolicy::predicted_ttl`] at the core's default (2 s): the prompts just sent count as
 ///   held until the engine's events confirm them, so a burst of requests sharing a prefix lands
 ///   together.
