@@ -38,6 +38,7 @@
 #![forbid(unsafe_code)]
 
 pub mod engine;
+mod error;
 pub mod policy;
 pub mod pool;
 pub mod replicas;
@@ -48,6 +49,7 @@ pub mod timing;
 pub mod workload;
 
 pub use engine::{Engine, EngineConfig};
+pub use error::SimError;
 pub use policy::{Policy, catalog, resolve};
 pub use report::{Report, UnavailablePolicy, build_report, render_svg};
 pub use sim::{PolicyRun, SimConfig, run_policy};
@@ -56,35 +58,3 @@ pub use workload::{AgenticSpec, ArrivalOptions, SimRequest, SyntheticSpec, Workl
 
 /// Index of a request in its workload.
 pub type RequestId = u32;
-
-/// Everything that can go wrong in a simulation.
-#[derive(Debug, thiserror::Error)]
-pub enum SimError {
-    /// A knob has a value the simulator cannot use.
-    #[error("invalid --{knob}: {reason}")]
-    Invalid { knob: &'static str, reason: String },
-    /// A trace line could not be used.
-    #[error("trace line {line}: {reason}")]
-    Trace { line: usize, reason: String },
-    /// A policy exists but cannot run in this build.
-    #[error("policy {policy} is unavailable: {reason}")]
-    Unavailable { policy: String, reason: String },
-    /// The selector refused a call the simulator made.
-    #[error("selector: {0}")]
-    Selector(#[from] kvroute_core::error::Error),
-    /// Drawing the chart failed.
-    #[error("plot: {0}")]
-    Plot(String),
-    /// A broken simulator invariant (a bug).
-    #[error("internal simulator error: {0}")]
-    Internal(String),
-}
-
-impl SimError {
-    pub(crate) fn invalid(knob: &'static str, reason: impl Into<String>) -> Self {
-        SimError::Invalid {
-            knob,
-            reason: reason.into(),
-        }
-    }
-}
