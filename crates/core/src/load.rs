@@ -62,7 +62,7 @@ use hashbrown::{HashMap, HashSet};
 use smallvec::SmallVec;
 
 use crate::event::{Rank, WorkerId};
-use crate::speed::{Calibration, EnginePrior, RankSpeeds};
+use crate::speed::{Calibration, EngineSpeeds};
 
 /// Failures of the load tracker. `Display` renders the client-facing messages of SPEC §7.4.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -163,7 +163,7 @@ pub struct LoadTracker {
     ranks: RankTable,
     /// Engine speeds learned from the lifecycle calls (`crate::speed`).
     calibration: Calibration,
-    prior: EnginePrior,
+    prior: EngineSpeeds,
 }
 
 #[derive(Debug)]
@@ -392,12 +392,12 @@ impl LoadTracker {
     }
 
     /// Sets the engine prior the calibration starts from (`crate::speed`).
-    pub fn set_engine_prior(&mut self, prior: EnginePrior) {
+    pub fn set_engine_prior(&mut self, prior: EngineSpeeds) {
         self.prior = prior;
     }
 
     /// The engine speeds now: the prior corrected by what the lifecycle calls measured.
-    pub fn speeds(&self, expected_output_tokens: Option<u64>) -> RankSpeeds {
+    pub fn speeds(&self, expected_output_tokens: Option<u64>) -> EngineSpeeds {
         self.calibration.speeds(expected_output_tokens, &self.prior)
     }
 

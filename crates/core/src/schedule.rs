@@ -43,7 +43,7 @@
 //! the weights; under `dynamo` it is Dynamo 1.6.1's formula, in which the routing credit leaks in.
 
 use crate::event::Rank;
-use crate::speed::{EnginePrior, RankSpeeds};
+use crate::speed::EngineSpeeds;
 use rand::Rng;
 use std::fmt;
 use std::str::FromStr;
@@ -131,7 +131,7 @@ pub struct SchedulerConfig {
     /// `max_num_batched_tokens`.
     pub busy_prefill_fraction: Option<f64>,
     /// The engine speeds the `kvroute` cost assumes before it has measured any (`crate::speed`).
-    pub engine: EnginePrior,
+    pub engine: EngineSpeeds,
 }
 
 impl SchedulerConfig {
@@ -158,7 +158,7 @@ impl SchedulerConfig {
             busy_decode_fraction: None,
             busy_prefill_tokens: None,
             busy_prefill_fraction: None,
-            engine: EnginePrior::default(),
+            engine: EngineSpeeds::default(),
         };
         match profile {
             RouterProfile::Dynamo => dynamo,
@@ -359,7 +359,7 @@ pub struct Candidate {
     pub total_kv_blocks: Option<u64>,
     pub max_num_batched_tokens: Option<u64>,
     /// The engine speeds the `kvroute` cost uses (`crate::speed`).
-    pub speeds: RankSpeeds,
+    pub speeds: EngineSpeeds,
 }
 
 /// Picks an index into `costs`: the argmin with uniform tie-break at temperature 0, else a softmax
@@ -422,7 +422,7 @@ mod tests {
             active_requests: 0,
             total_kv_blocks: None,
             max_num_batched_tokens: None,
-            speeds: RankSpeeds::from_prior(&EnginePrior::default()),
+            speeds: EngineSpeeds::default(),
         }
     }
 
@@ -609,24 +609,24 @@ mod tests {
         let config = SchedulerConfig::default();
         let holder = loaded(1, 4096, 12, 5000);
         let idle = loaded(2, 0, 0, 0);
-        let margin = |speeds: RankSpeeds| {
+        let margin = |speeds: EngineSpeeds| {
             let (mut h, mut i) = (holder, idle);
             h.speeds = speeds;
             i.speeds = speeds;
             config.cost(&h, 4864, 64) - config.cost(&i, 4864, 64)
         };
-        let prior = RankSpeeds::from_prior(&EnginePrior::default());
+        let prior = EngineSpeeds::default();
         // A decode step that grows faster with the batch, or longer outputs, make joining the
         // holder's batch dearer; a slower prefill makes the cached prefix worth more.
-        let heavy_decode = RankSpeeds {
+        let heavy_decode = EngineSpeeds {
             decode_ms_per_request: prior.decode_ms_per_request * 10.0,
             ..prior
         };
-        let long_outputs = RankSpeeds {
+        let long_outputs = EngineSpeeds {
             output_tokens: prior.output_tokens * 4.0,
             ..prior
         };
-        let slow_prefill = RankSpeeds {
+        let slow_prefill = EngineSpeeds {
             prefill_ms_per_token: prior.prefill_ms_per_token * 4.0,
             ..prior
         };

@@ -39,22 +39,26 @@ const PRIOR_WEIGHT: f64 = 8.0;
 /// Prefill samples of fewer tokens than this say more about queueing noise than speed.
 const MIN_PREFILL_SAMPLE_TOKENS: u64 = 64;
 
-/// What an engine is assumed to do before anything was measured. The defaults describe vLLM
-/// serving an 8B-class model on one H100-class GPU: the step-time fit Dynamo's mocker engine uses
+/// An engine's speeds: what the cost in predicted time assumes (see the module documentation).
+///
+/// The default is the prior, what an engine is assumed to do before anything was measured: vLLM
+/// serving an 8B-class model on one H100-class GPU, the step-time fit Dynamo's mocker engine uses
 /// (prefill ≈ 16.5 ms + 15.2 µs a token; decode ≈ 5.7 ms growing with KV usage, ≈ 54 ms over a
 /// full 16,384 × 64-token pool, i.e. ≈ 0.05 ms per thousand KV tokens), a small per-sequence
 /// decode cost, and 256 output tokens a request.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct EnginePrior {
+pub struct EngineSpeeds {
     pub prefill_overhead_ms: f64,
     pub prefill_ms_per_token: f64,
     pub decode_base_ms: f64,
     pub decode_ms_per_request: f64,
     pub decode_ms_per_ktoken: f64,
+    /// Output tokens of a request: in a prior, the mean assumed; in the speeds a cost uses, the
+    /// request's own `expected_output_tokens`, else the mean measured, else the prior's.
     pub output_tokens: f64,
 }
 
-impl Default for EnginePrior {
+impl Default for EngineSpeeds {
     fn default() -> Self {
         Self {
             prefill_overhead_ms: 16.5,
@@ -67,32 +71,7 @@ impl Default for EnginePrior {
     }
 }
 
-/// The speeds the cost of one rank uses: the prior corrected by what was measured.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RankSpeeds {
-    pub prefill_overhead_ms: f64,
-    pub prefill_ms_per_token: f64,
-    pub decode_base_ms: f64,
-    pub decode_ms_per_request: f64,
-    pub decode_ms_per_ktoken: f64,
-    /// The request's expected output tokens: its own `expected_output_tokens`, else the mean
-    /// measured, else the prior's.
-    pub output_tokens: f64,
-}
-
-impl RankSpeeds {
-    /// The prior alone (nothing measured yet).
-    pub fn from_prior(prior: &EnginePrior) -> Self {
-        Self {
-            prefill_overhead_ms: prior.prefill_overhead_ms,
-            prefill_ms_per_token: prior.prefill_ms_per_token,
-            decode_base_ms: prior.decode_base_ms,
-            decode_ms_per_request: prior.decode_ms_per_request,
-            decode_ms_per_ktoken: prior.decode_ms_per_ktoken,
-            output_tokens: prior.output_tokens,
-        }
-    }
-
+impl EngineSpeeds {
     /// Milliseconds of one prefill of `tokens` computed tokens (0 computes nothing).
     pub fn prefill_ms(&self, tokens: f64) -> f64 {
         if tokens <= 0.0 {
@@ -150,7 +129,7 @@ const TYPICAL_REQUESTS: f64 = 16.0;
 const TYPICAL_KTOKENS: f64 = 64.0;
 
 impl DecodeFit {
-    fn coefficients(&self, prior: &EnginePrior) -> [f64; 3] {
+    fn coefficients(&self, prior: &EngineSpeeds) -> [f64; 3] {
         self.solved.unwrap_or([
             prior.decode_base_ms,
             prior.decode_ms_per_request,
@@ -158,7 +137,7 @@ impl DecodeFit {
         ])
     }
 
-    fn observe(&mut self, requests: f64, kv_ktokens: f64, step_ms: f64, prior: &EnginePrior) {
+    fn observe(&mut self, requests: f64, kv_ktokens: f64, step_ms: f64, prior: &EngineSpeeds) {
         if !(step_ms.is_finite() && step_ms > 0.0 && requests >= 0.0 && kv_ktokens >= 0.0) {
             return;
         }
@@ -256,7 +235,7 @@ impl Calibration {
         tokens_ahead: u64,
         own_tokens: u64,
         elapsed: Duration,
-        prior: &EnginePrior,
+        prior: &EngineSpeeds,
     ) {
         let tokens = tokens_ahead.saturating_add(own_tokens);
         if tokens < MIN_PREFILL_SAMPLE_TOKENS {
@@ -276,7 +255,7 @@ impl Calibration {
         kv_tokens: u64,
         block_size: u32,
         elapsed: Duration,
-        prior: &EnginePrior,
+        prior: &EngineSpeeds,
     ) {
         if block_size == 0 {
             return;
@@ -288,16 +267,20 @@ impl Calibration {
     }
 
     /// A booking ended having produced about `output_tokens`.
-    pub fn observe_output(&mut self, output_tokens: u64, prior: &EnginePrior) {
+    pub fn observe_output(&mut self, output_tokens: u64, prior: &EngineSpeeds) {
         self.output_tokens
             .observe(output_tokens as f64, prior.output_tokens);
         self.samples.output += 1;
     }
 
     /// The speeds now; `expected_output_tokens` is the request's own, when it sent one.
-    pub fn speeds(&self, expected_output_tokens: Option<u64>, prior: &EnginePrior) -> RankSpeeds {
+    pub fn speeds(
+        &self,
+        expected_output_tokens: Option<u64>,
+        prior: &EngineSpeeds,
+    ) -> EngineSpeeds {
         let [base, per_request, per_ktoken] = self.decode.coefficients(prior);
-        RankSpeeds {
+        EngineSpeeds {
             prefill_overhead_ms: prior.prefill_overhead_ms,
             prefill_ms_per_token: self.prefill.value(prior.prefill_ms_per_token),
             decode_base_ms: base,
@@ -325,9 +308,9 @@ mod tests {
 
     #[test]
     fn nothing_measured_is_the_prior() {
-        let prior = EnginePrior::default();
+        let prior = EngineSpeeds::default();
         let s = Calibration::new().speeds(None, &prior);
-        assert_eq!(s, RankSpeeds::from_prior(&prior));
+        assert_eq!(s, prior);
         assert_eq!(
             Calibration::new().speeds(Some(40), &prior).output_tokens,
             40.0
@@ -337,7 +320,7 @@ mod tests {
     /// A scripted engine twice as slow as the prior, with 20 % noise: every estimate converges.
     #[test]
     fn calibration_converges_on_a_scripted_engine() {
-        let prior = EnginePrior::default();
+        let prior = EngineSpeeds::default();
         let mut cal = Calibration::new();
         let true_per_token = 2.0 * prior.prefill_ms_per_token;
         let (base, per_req, per_kt) = (9.0, 0.15, 0.2);
@@ -362,7 +345,7 @@ mod tests {
         assert!(close(s.decode_ms_per_request, per_req, 0.35), "{s:?}");
         assert!(close(s.decode_ms_per_ktoken, per_kt, 0.2), "{s:?}");
         // Far from the prior (0.02 ms a request, 0.05 a thousand tokens): it learned.
-        let prior_step = RankSpeeds::from_prior(&prior).decode_step_ms(32.0, 100_000.0);
+        let prior_step = prior.decode_step_ms(32.0, 100_000.0);
         let true_step = base + per_req * 32.0 + per_kt * 100.0;
         assert!(
             close(s.decode_step_ms(32.0, 100_000.0), true_step, 0.1),
@@ -374,7 +357,7 @@ mod tests {
 
     #[test]
     fn outliers_move_an_estimate_by_a_bounded_step() {
-        let prior = EnginePrior::default();
+        let prior = EngineSpeeds::default();
         let mut cal = Calibration::new();
         for _ in 0..300 {
             let ttft = prior.prefill_overhead_ms + prior.prefill_ms_per_token * 4000.0;
@@ -390,7 +373,7 @@ mod tests {
         let after = cal.speeds(None, &prior);
         let moved = |a: f64, b: f64| (a - b).abs() / b;
         assert!(moved(after.prefill_ms_per_token, before.prefill_ms_per_token) < 0.05);
-        let step = |s: &RankSpeeds| s.decode_step_ms(8.0, 50_000.0);
+        let step = |s: &EngineSpeeds| s.decode_step_ms(8.0, 50_000.0);
         assert!(
             moved(step(&after), step(&before)) < 0.1,
             "{before:?} {after:?}"
