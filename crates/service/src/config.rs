@@ -647,6 +647,32 @@ mod tests {
     }
 
     #[test]
+    fn engine_metrics_polling_is_off_bounded_and_sets_the_max_age() {
+        let parse = |ms: &str| {
+            ServeConfig::parse_from(["kvroute", "--engine-metrics-poll-ms", ms]).unwrap()
+        };
+        assert_eq!(ServeConfig::defaults().engine_metrics_poll(), Ok(None));
+        let fast = parse("200");
+        assert_eq!(
+            fast.engine_metrics_poll(),
+            Ok(Some(Duration::from_millis(200)))
+        );
+        assert_eq!(
+            fast.validate().unwrap().engine_load_max_age,
+            DEFAULT_ENGINE_LOAD_MAX_AGE
+        );
+        // A report stays fresh for two intervals when they are longer than the default age.
+        assert_eq!(
+            parse("5000").validate().unwrap().engine_load_max_age,
+            Duration::from_secs(10)
+        );
+        for bad in ["0", "9", "60001"] {
+            let err = parse(bad).validate().unwrap_err();
+            assert!(err.contains("--engine-metrics-poll-ms"), "{err}");
+        }
+    }
+
+    #[test]
     fn the_profile_gives_the_weights_and_flags_override_them() {
         let dynamo = ServeConfig::parse_from(["kvroute", "--router-profile", "dynamo"]).unwrap();
         assert_eq!(
