@@ -143,6 +143,27 @@ async fn polls_steer_selection_and_count_garbage_and_silence() {
     app.state.advance_clock(Duration::from_millis(2001));
     assert_eq!(pick(&app, &[1, 2], 200).await, 1);
 
+    // An error status and an endpoint this poller cannot speak to are counted too.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let not_found = listener.local_addr().unwrap();
+    let not_found_task = tokio::spawn(async move {
+        let _ = axum::serve(listener, Router::new()).await;
+    });
+    register(&app, 5, not_found).await;
+    let reply = app
+        .post(
+            "/workers",
+            json!({"worker_id": 6, "endpoint": "https://127.0.0.1:9", "block_size": 4}),
+        )
+        .await;
+    assert_eq!(reply.status, 201, "{}", reply.text);
+    assert_eq!(engine_load::poll_once(&app.state, POLL).await, 6);
+    assert_eq!(metrics.engine_poll_errors("status"), 1);
+    assert_eq!(metrics.engine_poll_errors("bad_url"), 1);
+    assert_eq!(metrics.engine_polls(), 4);
+    assert_eq!(pick(&app, &[1, 2], 300).await, 2, "a fresh report again");
+    not_found_task.abort();
+
     // A deleted worker's report goes with it.
     assert_eq!(app.delete("/workers/1").await.status, 200);
     assert_eq!(selector.read().engine_load_count(), 1);
