@@ -8,7 +8,9 @@ use kvroute_core::admission::{QueueConfig, QueuePolicy};
 use kvroute_core::index::IndexConfig;
 use kvroute_core::pending::PendingConfig;
 use kvroute_core::schedule::{RouterProfile, SchedulerConfig};
-use kvroute_core::selector::{PredictConfig, SelectorConfig, SessionConfig, SessionMode};
+use kvroute_core::selector::{
+    DEFAULT_ENGINE_LOAD_MAX_AGE, PredictConfig, SelectorConfig, SessionConfig, SessionMode,
+};
 use std::net::IpAddr;
 use std::time::Duration;
 
@@ -221,6 +223,12 @@ pub struct ServeConfig {
     #[arg(long, env = "KVROUTE_INGEST_NICE", default_value_t = 10)]
     pub ingest_nice: u8,
 
+    /// Poll each worker's `{endpoint}/metrics` (vLLM, SGLang) every this many milliseconds
+    /// (10–60000) and raise its booked load to the running/waiting requests and KV usage its
+    /// engine reports; a report older than 2 s (or two intervals) is ignored. Off by default.
+    #[arg(long, env = "KVROUTE_ENGINE_METRICS_POLL_MS")]
+    pub engine_metrics_poll_ms: Option<u64>,
+
     /// Replica sync over NATS (SPEC §10).
     #[command(flatten)]
     pub sync: crate::sync::SyncConfig,
@@ -391,6 +399,7 @@ impl ServeConfig {
             no_kv_events: false,
             approximate_cache_policy: ApproximatePolicy::Ttl,
             ingest_nice: 10,
+            engine_metrics_poll_ms: None,
             sync: crate::sync::SyncConfig::default(),
         }
     }
@@ -541,7 +550,24 @@ impl ServeConfig {
             },
             sessions: self.sessions()?,
             queue_threshold: self.queue_settings()?.map(|q| q.threshold),
+            // A report stays fresh for two polls, so one slow poll does not drop it.
+            engine_load_max_age: self
+                .engine_metrics_poll()?
+                .map_or(DEFAULT_ENGINE_LOAD_MAX_AGE, |every| {
+                    DEFAULT_ENGINE_LOAD_MAX_AGE.max(2 * every)
+                }),
         })
+    }
+
+    /// The interval of `--engine-metrics-poll-ms`; `None` when off.
+    pub fn engine_metrics_poll(&self) -> Result<Option<Duration>, String> {
+        match self.engine_metrics_poll_ms {
+            None => Ok(None),
+            Some(ms @ 10..=60_000) => Ok(Some(Duration::from_millis(ms))),
+            Some(ms) => Err(format!(
+                "--engine-metrics-poll-ms must be between 10 and 60000 (got {ms})"
+            )),
+        }
     }
 
     /// The admission queue's settings; `None` without `--queue-threshold`.
@@ -618,6 +644,32 @@ mod tests {
         assert_eq!(parsed.bind, defaults.bind);
         assert_eq!(parsed.validate().unwrap(), defaults.validate().unwrap());
         assert_eq!(defaults.validate().unwrap(), SelectorConfig::default());
+    }
+
+    #[test]
+    fn engine_metrics_polling_is_off_bounded_and_sets_the_max_age() {
+        let parse = |ms: &str| {
+            ServeConfig::parse_from(["kvroute", "--engine-metrics-poll-ms", ms]).unwrap()
+        };
+        assert_eq!(ServeConfig::defaults().engine_metrics_poll(), Ok(None));
+        let fast = parse("200");
+        assert_eq!(
+            fast.engine_metrics_poll(),
+            Ok(Some(Duration::from_millis(200)))
+        );
+        assert_eq!(
+            fast.validate().unwrap().engine_load_max_age,
+            DEFAULT_ENGINE_LOAD_MAX_AGE
+        );
+        // A report stays fresh for two intervals when they are longer than the default age.
+        assert_eq!(
+            parse("5000").validate().unwrap().engine_load_max_age,
+            Duration::from_secs(10)
+        );
+        for bad in ["0", "9", "60001"] {
+            let err = parse(bad).validate().unwrap_err();
+            assert!(err.contains("--engine-metrics-poll-ms"), "{err}");
+        }
     }
 
     #[test]

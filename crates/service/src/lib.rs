@@ -14,6 +14,7 @@
 //!   handle of in-process callers (the gateway, Python).
 //! - [`courtesy`]: background threads yield the CPU after each stretch of work.
 //! - [`config`]: every knob as a CLI flag and a `KVROUTE_*` environment variable, validated.
+//! - [`engine_load`]: engines' own load, polled from their `/metrics` (opt-in).
 //! - [`error`]: the one error → response mapping.
 //! - [`http`]: routes, the strict JSON extractor, the rendering of results, the OpenAPI document.
 //! - [`ingest`]: per-endpoint ZMQ SUB listeners with replay, gap and restart handling.
@@ -24,8 +25,8 @@
 //! - [`types`]: the JSON request and response bodies.
 //!
 //! The modules depend on each other in one direction only, each on modules listed before it:
-//! courtesy, error, types, metrics, ingest, sync, admission::queue, config, state, admission, api,
-//! http, sync_tasks (held by the test `tests::modules_depend_in_one_direction`). The admission
+//! courtesy, error, types, metrics, ingest, sync, admission::queue, config, state, engine_load,
+//! admission, api, http, sync_tasks (held by the test `tests::modules_depend_in_one_direction`). The admission
 //! queue's data sits below the state that holds it; the rest of admission above it.
 //!
 //! `SPEC §n` in this crate is section n of `docs/SPEC.md`.
@@ -36,6 +37,7 @@ pub mod admission;
 pub mod api;
 pub mod config;
 pub mod courtesy;
+pub mod engine_load;
 pub mod error;
 pub mod http;
 pub mod ingest;

@@ -88,6 +88,13 @@ fn latency_histogram() -> Histogram {
     Histogram::new(exponential_buckets(20e-6, 2.0, 20))
 }
 
+/// Why a poll of an engine's `/metrics` gave no load
+/// (`kvroute_engine_metrics_poll_errors_total`).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: &'static str,
+}
+
 /// Why the service closed a connection on its own (`kvroute_http_connection_timeouts_total`).
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct TimeoutLabel {
@@ -148,6 +155,9 @@ pub struct Metrics {
     session_bindings: Gauge,
     session_events: Family<Labels, Counter>,
     session_seen: Mutex<SessionCounters>,
+    /// Polls of engines' `/metrics` (`engine_load`): reports taken, and failures by reason.
+    engine_polls: Counter,
+    engine_poll_errors: Family<ReasonLabel, Counter>,
     /// Replica sync over NATS (`kvroute_sync_*`).
     pub sync: SyncMetrics,
     /// The admission queue (`kvroute_queue_*`).
@@ -358,9 +368,23 @@ impl Metrics {
             "Session bindings made (bound), moved to another rank (rebound), expired, evicted by --session-affinity-max-sessions, dropped by a refused booking",
             session_events.clone(),
         );
+        let engine_polls = Counter::default();
+        registry.register(
+            "engine_metrics_polls",
+            "Polls of engines' /metrics (--engine-metrics-poll-ms) that reported a load",
+            engine_polls.clone(),
+        );
+        let engine_poll_errors = Family::<ReasonLabel, Counter>::default();
+        registry.register(
+            "engine_metrics_poll_errors",
+            "Polls of engines' /metrics that reported no load, by reason: bad_url, connect, timeout, status, body, parse, no_load_metrics, rejected",
+            engine_poll_errors.clone(),
+        );
         let sync = SyncMetrics::register(&mut registry);
         let queue = QueueMetrics::register(&mut registry);
         Self {
+            engine_polls,
+            engine_poll_errors,
             queue,
             session_bindings,
             session_events,
@@ -497,6 +521,29 @@ impl Metrics {
             ("dp_rank", &dp_rank.to_string()),
             ("endpoint", endpoint),
         ])
+    }
+
+    /// One poll of an engine's `/metrics`: a report, or the reason there was none.
+    pub fn count_engine_poll(&self, outcome: Result<(), &'static str>) {
+        match outcome {
+            Ok(()) => self.engine_polls.inc(),
+            Err(reason) => self
+                .engine_poll_errors
+                .get_or_create(&ReasonLabel { reason })
+                .inc(),
+        };
+    }
+
+    /// Polls of engines' `/metrics` that reported a load.
+    pub fn engine_polls(&self) -> u64 {
+        self.engine_polls.get()
+    }
+
+    /// Polls of engines' `/metrics` that failed for `reason`.
+    pub fn engine_poll_errors(&self, reason: &'static str) -> u64 {
+        self.engine_poll_errors
+            .get_or_create(&ReasonLabel { reason })
+            .get()
     }
 
     pub fn count_expired(&self, n: usize) {

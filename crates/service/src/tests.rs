@@ -17,6 +17,7 @@ const ORDER: &[&str] = &[
     "admission::queue",
     "config",
     "state",
+    "engine_load",
     "admission",
     "api",
     "http",

@@ -891,3 +891,67 @@ async fn a_huggingface_tokenizer_json_is_used_by_every_route() {
     assert_eq!(error.kind(), std::io::ErrorKind::InvalidData);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The value of one `/metrics` sample line starting with `prefix`.
+fn metric(body: &str, prefix: &str) -> f64 {
+    let line = body
+        .lines()
+        .find(|l| l.starts_with(prefix))
+        .unwrap_or_else(|| panic!("{prefix} in {body}"));
+    line.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+#[tokio::test]
+async fn metrics_reports_running_waiting_and_kv_usage_as_vllm_does() {
+    // Slow enough that a long answer is still running while the metrics are read.
+    let engine = start(MockEngineConfig {
+        model: "mock-7b".to_string(),
+        time_scale: 1.0,
+        ..MockEngineConfig::default()
+    })
+    .await;
+    let mut connection = Connection::open(engine.addr()).await;
+    let (status, body) = connection.call("GET", "/metrics", b"").await;
+    assert_eq!(status, 200);
+    let idle = String::from_utf8(body).unwrap();
+    assert!(
+        idle.contains("# TYPE vllm:num_requests_running gauge"),
+        "{idle}"
+    );
+    let labels = "{engine=\"0\",model_name=\"mock-7b\"}";
+    assert_eq!(
+        metric(&idle, &format!("vllm:num_requests_running{labels}")),
+        0.0
+    );
+    assert_eq!(
+        metric(&idle, &format!("vllm:num_requests_waiting{labels}")),
+        0.0
+    );
+    assert_eq!(
+        metric(&idle, &format!("vllm:kv_cache_usage_perc{labels}")),
+        0.0
+    );
+    let addr = engine.addr();
+    let prompt = "a prompt long enough to hold a few blocks of the cache ".repeat(8);
+    let request = tokio::spawn(async move {
+        let body = json!({"prompt": prompt, "max_tokens": 2000});
+        post(addr, "/v1/completions", &body).await
+    });
+    // Bounded: 2000 polls 10 ms apart at most.
+    let mut busy = None;
+    for _ in 0..2000 {
+        let (_, body) = connection.call("GET", "/metrics", b"").await;
+        let body = String::from_utf8(body).unwrap();
+        if metric(&body, "vllm:num_requests_running") >= 1.0 {
+            busy = Some(body);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let busy = busy.expect("the request shows as running");
+    assert_eq!(engine.engine_load().0, 1);
+    let usage = metric(&busy, "vllm:kv_cache_usage_perc");
+    assert!(usage > 0.0 && usage <= 1.0, "{usage}");
+    request.abort();
+    engine.kill();
+}

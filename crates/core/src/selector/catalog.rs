@@ -144,6 +144,8 @@ impl Selector {
             Lifecycle::Incomplete
         };
         let partition = spec.partition();
+        // Reports of ranks the worker no longer has go (`engine_load.rs`).
+        self.forget_engine_loads(spec.worker_id, spec.dp_ranks());
         let previous = self.workers.get(&spec.worker_id).cloned();
         let events_changed = match &previous {
             None => true,
@@ -226,6 +228,7 @@ impl Selector {
             return Err(Error::WorkerNotFound { worker_id });
         };
         self.forget_worker_predictions(worker_id);
+        self.forget_engine_loads(worker_id, 0..0);
         let freed = exclusive(&mut self.load).free_worker(worker_id);
         for booking in &freed {
             exclusive(&mut self.lru).release(&*booking.reservation_id);

@@ -94,7 +94,7 @@ impl Selector {
         let config = self.config.scheduler.with(overrides);
         let overlaps = Self::overlaps(p, &hashes);
         Ok(self
-            .candidates(&workers, &overlaps, &hashes, block_size, None)
+            .candidates(&workers, &overlaps, &hashes, block_size, None, None)
             .into_iter()
             .map(|(c, _)| {
                 let added = if config.track_prefill_tokens {

@@ -22,6 +22,7 @@
 //! | `sync.rs` | bookings shared between replicas (SPEC §10) |
 //! | `predict.rs` | predict-on-route: a booked prompt held on its rank until its events come |
 //! | `sessions.rs` | session affinity: bindings of sessions to ranks, their TTL, the preferred pick |
+//! | `engine_load.rs` | load the engines report (`/metrics`), raising the booked load while fresh |
 //!
 //! ## Lock discipline
 //! The selector is plain data. An edge that serves concurrent requests wraps it in one
@@ -34,8 +35,8 @@
 //! also serves worker changes and KV events. That protocol lives in one place
 //! (`reservations.rs`); a caller writes `lock.free(id)` or `selector.free(id)` alike.
 //!
-//! Inner mutexes are taken in one order — load tracker, LRU model, pending cache, session
-//! table — and never
+//! Inner mutexes are taken in one order — load tracker, engine reports, LRU model, pending
+//! cache, session table — and never
 //! while waiting for the selector's lock; the queue of predictions (`predict.rs`), which a
 //! booking under the shared lock fills because it cannot change the index, is taken alone.
 //! Whoever next holds the selector exclusively records it first. Prompts are hashed by the edge
@@ -60,6 +61,7 @@ use std::time::{Duration, Instant};
 
 mod catalog;
 mod constraints;
+mod engine_load;
 mod events;
 mod inspect;
 mod predict;
@@ -71,6 +73,7 @@ mod types;
 
 pub use catalog::check_zmq_endpoint;
 pub use constraints::RoutingConstraints;
+pub use engine_load::{DEFAULT_ENGINE_LOAD_MAX_AGE, EngineLoad};
 pub use predict::{
     DEFAULT_MAX_PREDICTED_BLOCKS, DEFAULT_PREDICTED_TTL, PredictConfig, PredictionCounters,
 };
@@ -108,6 +111,9 @@ pub struct SelectorConfig {
     /// is full above this × its `max_num_batched_tokens` of active prefill, so a worker must
     /// state that capacity to be schedulable (as Dynamo requires while queueing).
     pub queue_threshold: Option<f64>,
+    /// An engine's load report (`engine_load.rs`) corrects the booked load while at most this
+    /// old; older ones are ignored.
+    pub engine_load_max_age: Duration,
 }
 
 impl Default for SelectorConfig {
@@ -123,6 +129,7 @@ impl Default for SelectorConfig {
             predict: PredictConfig::default(),
             sessions: SessionConfig::default(),
             queue_threshold: None,
+            engine_load_max_age: engine_load::DEFAULT_ENGINE_LOAD_MAX_AGE,
         }
     }
 }
@@ -165,6 +172,8 @@ pub struct Selector {
     predictions_queued: AtomicBool,
     /// Session bindings (`sessions.rs`).
     sessions: Mutex<SessionTable>,
+    /// The engines' latest load reports (`engine_load.rs`).
+    engine_loads: Mutex<engine_load::EngineLoads>,
     /// This replica's id among replicas sharing bookings, and its place among the live ones
     /// (`sync.rs`).
     replica: Option<(String, Option<ReplicaSpread>)>,
@@ -226,6 +235,7 @@ impl Selector {
                 config.sessions.ttl.unwrap_or_default(),
                 config.sessions.max_sessions,
             )),
+            engine_loads: Mutex::new(HashMap::new()),
             replica: None,
             shutting_down: false,
         }

@@ -33,8 +33,11 @@ impl Selector {
         hashes: &PromptHashes,
         block_size: u32,
         expected_output_tokens: Option<u64>,
+        engine_load_at: Option<Instant>,
     ) -> Vec<(Candidate, &'w WorkerRecord)> {
         let load = locked(&self.load);
+        // Taken after the load tracker (the module's lock order); only when asked for.
+        let engine_loads = engine_load_at.map(|now| (now, locked(&self.engine_loads)));
         let speeds = load.speeds(expected_output_tokens);
         let potential = load.potential_decode(&hashes.sequence, hashes.isl_tokens, block_size);
         // One rank per worker is the common case.
@@ -44,22 +47,26 @@ impl Selector {
                 let rank = Rank::new(record.spec.worker_id, dp_rank);
                 let overlap = overlaps.get(&rank);
                 let rank_load = load.rank_load(rank);
-                out.push((
-                    Candidate {
-                        rank,
-                        device_blocks: overlap.map_or(0, |o| o.device_blocks),
-                        host_blocks: overlap.map_or(0, |o| o.host_blocks),
-                        disk_blocks: overlap.map_or(0, |o| o.disk_blocks),
-                        active_prefill_tokens: rank_load.active_prefill_tokens,
-                        active_decode_blocks: rank_load.active_decode_blocks,
-                        potential_decode_blocks: potential.blocks(rank),
-                        active_requests: rank_load.active_requests,
-                        total_kv_blocks: record.spec.total_kv_blocks,
-                        max_num_batched_tokens: record.spec.max_num_batched_tokens,
-                        speeds,
-                    },
-                    record,
-                ));
+                let mut candidate = Candidate {
+                    rank,
+                    device_blocks: overlap.map_or(0, |o| o.device_blocks),
+                    host_blocks: overlap.map_or(0, |o| o.host_blocks),
+                    disk_blocks: overlap.map_or(0, |o| o.disk_blocks),
+                    active_prefill_tokens: rank_load.active_prefill_tokens,
+                    active_decode_blocks: rank_load.active_decode_blocks,
+                    potential_decode_blocks: potential.blocks(rank),
+                    active_requests: rank_load.active_requests,
+                    total_kv_blocks: record.spec.total_kv_blocks,
+                    max_num_batched_tokens: record.spec.max_num_batched_tokens,
+                    speeds,
+                };
+                if let Some((now, reports)) = &engine_loads
+                    && let Some((report, at)) = reports.get(&rank)
+                    && now.saturating_duration_since(*at) <= self.config.engine_load_max_age
+                {
+                    engine_load::correct(&mut candidate, report);
+                }
+                out.push((candidate, record));
             }
         }
         out
@@ -98,6 +105,7 @@ impl Selector {
         overlaps: &Overlaps,
         hashes: &PromptHashes,
         block_size: u32,
+        engine_load_at: Option<Instant>,
     ) -> Vec<(Candidate, &'w WorkerRecord)> {
         let mut candidates = self.candidates(
             eligible,
@@ -105,6 +113,7 @@ impl Selector {
             hashes,
             block_size,
             req.expected_output_tokens,
+            engine_load_at,
         );
         if let Some(PinnedWorker {
             dp_rank: Some(d), ..
@@ -130,7 +139,9 @@ impl Selector {
         let hashes = req.prompt.hash(block_size)?;
         let eligible = Self::eligible(req, workers)?;
         let overlaps = Self::overlaps(p, &hashes);
-        let candidates = self.eligible_candidates(req, &eligible, &overlaps, &hashes, block_size);
+        // Engines' reports change no prefill tokens, the only load the queue reads.
+        let candidates =
+            self.eligible_candidates(req, &eligible, &overlaps, &hashes, block_size, None);
         let full = candidates.iter().all(|(c, _)| {
             crate::admission::over_threshold(
                 threshold,
@@ -174,7 +185,8 @@ impl Selector {
 
         let eligible = Self::eligible(req, workers)?;
         let overlaps = Self::overlaps(p, &hashes);
-        let candidates = self.eligible_candidates(req, &eligible, &overlaps, &hashes, block_size);
+        let candidates =
+            self.eligible_candidates(req, &eligible, &overlaps, &hashes, block_size, Some(now));
         // Decision quality (`Selection::best_gpu_overlap`): from the overlaps already walked.
         let best_device_blocks = candidates
             .iter()

@@ -975,6 +975,7 @@ fn load_state(s: &Selector) -> LoadState {
 
 mod constraints;
 mod decisions;
+mod engine_load;
 mod predict;
 mod sessions;
 mod shared_lock;

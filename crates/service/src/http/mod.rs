@@ -320,6 +320,9 @@ pub async fn serve_with(
         .map_err(|message| std::io::Error::new(std::io::ErrorKind::InvalidInput, message))?;
     connections::warn_if_above_file_limit(limits.max_connections);
     tokio::spawn(Arc::clone(&state).run_housekeeping());
+    if let Some(every) = state.config.engine_metrics_poll().ok().flatten() {
+        tokio::spawn(crate::engine_load::run(Arc::clone(&state), every));
+    }
     let drain_state = Arc::clone(&state);
     let listener =
         connections::GuardedListener::new(listener, limits, state.metrics.connections.clone());

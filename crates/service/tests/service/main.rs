@@ -4,6 +4,7 @@
 //! - [`dashboard`]: the status page in headless Chromium against a live service.
 //! - [`dynamo_compat`]: the exchanges recorded from Dynamo's selection service, replayed.
 //! - [`dynamo_queue`]: Dynamo's admission queue recorded (`queue.json`), replayed with its sends.
+//! - [`engine_load`]: engines' `/metrics` polled: heavy load, garbage, silence, staleness.
 //! - [`http`]: the HTTP service end to end, every error row, limits, shutdown, a real socket.
 //! - [`ingest`]: live KV events from fake engines over real ZeroMQ sockets.
 //! - [`queue`]: the admission queue: waiting, order, tenants, timeouts, bounds, disconnects.
@@ -21,6 +22,7 @@ mod connections;
 mod dashboard;
 mod dynamo_compat;
 mod dynamo_queue;
+mod engine_load;
 mod http;
 mod ingest;
 mod queue;

@@ -98,6 +98,7 @@ impl EngineLoop {
                 self.submit(submission);
             }
             self.abort_abandoned();
+            self.publish_load();
             if !self.engine.has_work() {
                 tokio::select! {
                     submission = submissions.recv() => match submission {
@@ -144,10 +145,23 @@ impl EngineLoop {
             let report = self.engine.finish_step();
             self.publish(&report.events).await;
             self.deliver(&report);
+            self.publish_load();
         }
         if let Some(publisher) = &self.publisher {
             publisher.lock().await.take();
         }
+    }
+
+    /// Shares the engine's queue lengths and KV blocks in use with `GET /metrics`.
+    fn publish_load(&self) {
+        let config = self.engine.config();
+        let total = config.kv_blocks.unwrap_or(config.nominal_kv_blocks);
+        self.shared.load.store(
+            self.engine.running_len() as u64,
+            self.engine.waiting_len() as u64,
+            self.engine.pool().in_use(),
+            total,
+        );
     }
 
     fn submit(&mut self, submission: Submission) {

@@ -37,6 +37,7 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/detokenize", post(detokenize))
         .route("/health", get(health))
         .route("/v1/models", get(models))
+        .route("/metrics", get(metrics))
         .fallback(not_found)
         .with_state(state)
 }
@@ -62,6 +63,39 @@ async fn health(State(state): State<Arc<AppState>>) -> StatusCode {
     } else {
         StatusCode::OK
     }
+}
+
+/// vLLM's (V1) load gauges in the Prometheus text format, labelled as vLLM labels them.
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    let (running, waiting, usage) = state.shared.load.read();
+    let labels = format!("engine=\"0\",model_name=\"{}\"", escape_label(&state.model));
+    let body = format!(
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.\n\
+         # TYPE vllm:num_requests_running gauge\n\
+         vllm:num_requests_running{{{labels}}} {running}.0\n\
+         # HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n\
+         # TYPE vllm:num_requests_waiting gauge\n\
+         vllm:num_requests_waiting{{{labels}}} {waiting}.0\n\
+         # HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n\
+         # TYPE vllm:kv_cache_usage_perc gauge\n\
+         vllm:kv_cache_usage_perc{{{labels}}} {usage}\n"
+    );
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        body,
+    )
+        .into_response()
+}
+
+/// A Prometheus label value: backslash, quote and newline escaped.
+fn escape_label(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 async fn models(State(state): State<Arc<AppState>>) -> Response {

@@ -19,7 +19,8 @@
 //! ## What it serves (vLLM's shapes; `protocol.rs` has them)
 //! `POST /v1/completions` and `POST /v1/chat/completions`, streaming (SSE) or not, with
 //! `usage.prompt_tokens_details.cached_tokens`; `POST /tokenize`, `POST /detokenize`,
-//! `GET /health`, `GET /v1/models`. Every answer is `max_tokens` tokens long (default 16).
+//! `GET /health`, `GET /v1/models`, `GET /metrics` (vLLM's running/waiting/KV-usage gauges).
+//! Every answer is `max_tokens` tokens long (default 16).
 //!
 //! ## The model
 //! - **Engine**: a [`kvroute_sim::Engine`] (KV pool with prefix caching and LRU eviction,
@@ -171,6 +172,8 @@ pub(crate) struct Shared {
     event_batches: AtomicU64,
     recent: Mutex<VecDeque<ServedRequest>>,
     next_request: AtomicU64,
+    /// The engine loop's latest load, served by `GET /metrics`.
+    load: EngineLoadGauges,
     /// Makes response ids differ between engines and runs.
     nonce: u64,
 }
@@ -189,6 +192,7 @@ impl Shared {
             event_batches: AtomicU64::new(0),
             recent: Mutex::new(VecDeque::new()),
             next_request: AtomicU64::new(0),
+            load: EngineLoadGauges::default(),
             nonce,
         }
     }
@@ -209,6 +213,42 @@ impl Shared {
             recent.pop_front();
         }
         recent.push_back(served);
+    }
+}
+
+/// The engine's load as vLLM's `/metrics` gauges report it, written by the engine loop after
+/// each change of its queues and read by the route (each value on its own: a reader may see
+/// one turn's running with the next turn's waiting, as with a real engine's scrape).
+#[derive(Debug, Default)]
+pub(crate) struct EngineLoadGauges {
+    running: AtomicU64,
+    waiting: AtomicU64,
+    kv_blocks_in_use: AtomicU64,
+    kv_blocks_total: AtomicU64,
+}
+
+impl EngineLoadGauges {
+    pub(crate) fn store(&self, running: u64, waiting: u64, in_use: u64, total: u64) {
+        self.running.store(running, Ordering::Relaxed);
+        self.waiting.store(waiting, Ordering::Relaxed);
+        self.kv_blocks_in_use.store(in_use, Ordering::Relaxed);
+        self.kv_blocks_total.store(total, Ordering::Relaxed);
+    }
+
+    /// Running requests, waiting requests, and the fraction of KV blocks in use.
+    pub(crate) fn read(&self) -> (u64, u64, f64) {
+        let total = self.kv_blocks_total.load(Ordering::Relaxed);
+        let in_use = self.kv_blocks_in_use.load(Ordering::Relaxed);
+        let usage = if total == 0 {
+            0.0
+        } else {
+            (in_use as f64 / total as f64).min(1.0)
+        };
+        (
+            self.running.load(Ordering::Relaxed),
+            self.waiting.load(Ordering::Relaxed),
+            usage,
+        )
     }
 }
 
@@ -409,6 +449,11 @@ impl MockEngine {
     /// Generation requests accepted and not yet answered in full.
     pub fn in_flight(&self) -> usize {
         self.shared.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// What `GET /metrics` reports now: running and waiting requests, KV usage (0..1).
+    pub fn engine_load(&self) -> (u64, u64, f64) {
+        self.shared.load.read()
     }
 
     /// KV-event batches published.
