@@ -149,7 +149,7 @@ fn candidate(active_requests: u64, active_decode_blocks: u64, total: Option<u64>
         active_requests,
         total_kv_blocks: total,
         max_num_batched_tokens: None,
-        speeds: crate::speed::RankSpeeds::from_prior(&Default::default()),
+        speeds: crate::speed::EngineSpeeds::default(),
     }
 }
 
