@@ -34,8 +34,8 @@
 //! the middle. It is kept as an intrusive doubly linked list through the copy slots (vLLM's
 //! `FreeKVCacheBlockQueue`), so every step is O(1). This is exactly vLLM's free-block queue
 //! (freed blocks appended tail first, allocation pops the front and evicts its hash, a prefix hit
-//! takes a block out of the queue); [`super::reference`] implements that literally and the
-//! property tests compare the two.
+//! takes a block out of the queue); the test oracle `approx::reference` implements that
+//! literally and the property tests compare the two.
 //!
 //! ## Leases, attempts and incarnations
 //! - Every acquire is an **attempt** on a caller-chosen lease id (the reservation id) and returns a

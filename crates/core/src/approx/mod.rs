@@ -58,7 +58,8 @@
 //! globals; outcomes (counts) are returned values for the edge's metrics.
 
 pub mod lru;
-pub mod reference;
+#[cfg(test)]
+mod reference;
 pub mod ttl;
 
 #[cfg(test)]

@@ -54,7 +54,8 @@
 
 mod holders;
 mod lookup;
-pub mod reference;
+#[cfg(test)]
+mod reference;
 mod remove;
 mod walk;
 
