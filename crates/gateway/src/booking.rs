@@ -99,6 +99,13 @@ impl ServiceLink {
             .collect()
     }
 
+    /// Whether the catalog has workers, none of them for `model`. O(workers): called only when
+    /// a booking failed.
+    pub fn is_unknown_model(&self, model: &str) -> bool {
+        let workers = self.service.workers(None, None);
+        !workers.is_empty() && workers.iter().all(|r| r.spec.model_name != model)
+    }
+
     /// The catalog's models, as it lists them (a model of several workers named once per run).
     pub fn model_names(&self) -> Vec<String> {
         let mut names: Vec<String> = self

@@ -37,6 +37,17 @@ impl GatewayError {
         }
     }
 
+    /// A model no worker serves: 404 naming it, as vLLM and OpenAI answer (`param` `model`).
+    pub fn unknown_model(model: &str) -> Self {
+        Self {
+            param: Some("model"),
+            ..Self::new(
+                StatusCode::NOT_FOUND,
+                format!("The model `{model}` does not exist."),
+            )
+        }
+    }
+
     /// OpenAI's `type` for the status.
     pub fn kind(&self) -> &'static str {
         match self.status.as_u16() {

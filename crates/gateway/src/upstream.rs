@@ -121,10 +121,22 @@ async fn book(
         pinned_worker: choice.pinned_worker,
         tenant: out.tenant,
     };
-    gateway
+    let booked = gateway
         .link
         .book(request, &gateway.health.metrics().bookings_open)
-        .await
+        .await;
+    match booked {
+        // No worker serves this model while others serve theirs: the model does not exist here
+        // (404, as vLLM and OpenAI answer; clients do not retry it). An empty catalog stays the
+        // selector's 503: an outage, worth retrying.
+        Err(e)
+            if e.status == StatusCode::SERVICE_UNAVAILABLE
+                && gateway.link.is_unknown_model(out.model) =>
+        {
+            Err(GatewayError::unknown_model(out.model))
+        }
+        other => other,
+    }
 }
 
 fn upstream_request(

@@ -392,15 +392,12 @@ async fn models_are_listed_and_bad_requests_get_openai_errors() {
         ),
         (
             json!({"model": "nobody", "prompt": [1]}),
-            "no schedulable workers",
+            "The model `nobody` does not exist.",
         ),
     ] {
         let (status, _, bytes) = post(&client, &gw.url("/v1/completions"), &body).await;
         let error: Value = serde_json::from_slice(&bytes).unwrap();
-        assert!(
-            status.is_client_error() || status == 503,
-            "{body}: {status}"
-        );
+        assert!(status.is_client_error(), "{body}: {status}");
         assert!(
             error["error"]["message"]
                 .as_str()
@@ -409,6 +406,21 @@ async fn models_are_listed_and_bad_requests_get_openai_errors() {
             "{body}: {error}"
         );
         assert!(error["error"]["type"].is_string());
+    }
+    // A model no worker serves is OpenAI's and vLLM's 404, naming the parameter; the same on
+    // the chat route.
+    for route in ["/v1/completions", "/v1/chat/completions"] {
+        let body = json!({"model": "nobody", "prompt": [1],
+                          "messages": [{"role": "user", "content": "hi"}]});
+        let (status, headers, bytes) = post(&client, &gw.url(route), &body).await;
+        assert_eq!(status, 404, "{route}: {}", String::from_utf8_lossy(&bytes));
+        assert!(headers.get("retry-after").is_none());
+        let error: Value = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(
+            error,
+            json!({"error": {"message": "The model `nobody` does not exist.",
+                             "type": "invalid_request_error", "param": "model", "code": 404}})
+        );
     }
     let (status, _, bytes) = post(
         &client,
