@@ -35,6 +35,8 @@ pub struct BookRequest<'a> {
     pub pinned_worker: Option<u64>,
     /// The admission queue's tenant.
     pub tenant: Option<&'a str>,
+    /// The request's session, for session affinity.
+    pub session: Option<&'a str>,
 }
 
 /// The selection service, as the gateway uses it.
@@ -150,6 +152,7 @@ impl ServiceLink {
                 dp_rank: None,
             }),
             cache_salt: request.cache_salt,
+            session_id: request.session.map(str::to_string),
             ..SelectBody::default()
         };
         match request.prompt {

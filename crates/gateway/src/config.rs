@@ -86,6 +86,15 @@ pub struct GatewayArgs {
     /// How often each worker's `GET /health` is checked, in seconds; 0 turns checks off.
     #[arg(long, env = "KVROUTE_HEALTH_CHECK_SECS", default_value_t = 5.0)]
     pub health_check_secs: f64,
+    /// A request header that names the request's session (session affinity, with
+    /// --session-affinity-ttl-secs); the first one present counts, the body's `session_id`
+    /// wins over all. Repeatable; replaces the defaults (aiperf's and inference-perf's).
+    #[arg(
+        long = "session-header",
+        value_name = "NAME",
+        default_values_t = ["X-Correlation-ID".to_string(), "x-session-id".to_string()]
+    )]
+    pub session_headers: Vec<String>,
 }
 
 /// The validated configuration.
@@ -109,6 +118,8 @@ pub struct GatewayConfig {
     pub breaker: BreakerConfig,
     /// `None`: no health checks.
     pub health_check_every: Option<Duration>,
+    /// Headers naming a request's session, in order (`--session-header`).
+    pub session_headers: Vec<axum::http::HeaderName>,
 }
 
 fn seconds(name: &str, value: f64, zero_ok: bool) -> Result<Duration, String> {
@@ -178,6 +189,14 @@ impl GatewayArgs {
             return Err("--upstream-api-key must be a non-empty single line".to_string());
         }
         let health = seconds("health-check-secs", self.health_check_secs, true)?;
+        let session_headers = self
+            .session_headers
+            .iter()
+            .map(|name| {
+                axum::http::HeaderName::from_bytes(name.as_bytes())
+                    .map_err(|_| format!("--session-header {name:?} is not a valid header name"))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(GatewayConfig {
             workers,
             default_model: self.model.clone(),
@@ -206,6 +225,7 @@ impl GatewayArgs {
                 open_for: seconds("breaker-open-secs", self.breaker_open_secs, false)?,
             },
             health_check_every: (!health.is_zero()).then_some(health),
+            session_headers,
         })
     }
 

@@ -66,6 +66,9 @@ pub struct OpenAiRequest {
     pub add_special_tokens: Option<bool>,
     #[serde(default)]
     pub cache_salt: Option<String>,
+    /// The request's session (kvroute's session affinity); wins over a session header.
+    #[serde(default)]
+    pub session_id: Option<String>,
 }
 
 impl OpenAiRequest {

@@ -42,6 +42,14 @@ async fn handle(gateway: &Gateway, kind: Kind, request: Request) -> Result<Respo
         .get("x-tenant-id")
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
+    // The session: the first configured header present (the body's `session_id` wins, below).
+    let session_header = gateway
+        .config
+        .session_headers
+        .iter()
+        .find_map(|name| request.headers().get(name)?.to_str().ok())
+        .filter(|v| !v.is_empty())
+        .map(str::to_string);
     let client_authorization = if gateway.config.forward_client_authorization {
         request.headers().get(header::AUTHORIZATION).cloned()
     } else {
@@ -78,6 +86,7 @@ async fn handle(gateway: &Gateway, kind: Kind, request: Request) -> Result<Respo
         model: &model,
         prompt: &prompt,
         tenant: tenant.as_deref(),
+        session: parsed.session_id.as_deref().or(session_header.as_deref()),
         client_authorization,
     };
     upstream::dispatch(gateway, out).await

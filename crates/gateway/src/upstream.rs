@@ -30,6 +30,8 @@ pub struct Outbound<'a> {
     pub model: &'a str,
     pub prompt: &'a RoutingPrompt,
     pub tenant: Option<&'a str>,
+    /// The session the request belongs to (body `session_id`, else a session header).
+    pub session: Option<&'a str>,
     /// The client's `Authorization`, when it is forwarded.
     pub client_authorization: Option<HeaderValue>,
 }
@@ -120,6 +122,7 @@ async fn book(
         allowed_worker_ids: choice.allowed_worker_ids,
         pinned_worker: choice.pinned_worker,
         tenant: out.tenant,
+        session: out.session,
     };
     let booked = gateway
         .link

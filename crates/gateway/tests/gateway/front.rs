@@ -490,3 +490,66 @@ async fn round_robin_takes_the_workers_in_turn() {
     );
     gw.assert_no_booking_left().await;
 }
+
+/// A completion with one extra header; the worker it went to.
+async fn worker_for(
+    client: &TestClient,
+    gw: &TestGateway,
+    body: &Value,
+    header: Option<(&str, &str)>,
+) -> String {
+    let mut request = post_request(&gw.url("/v1/completions"), body, None);
+    if let Some((name, value)) = header {
+        request.headers_mut().insert(
+            hyper::header::HeaderName::from_bytes(name.as_bytes()).unwrap(),
+            hyper::header::HeaderValue::from_str(value).unwrap(),
+        );
+    }
+    let (status, headers, bytes) = exchange(client, request).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
+    headers["x-kvroute-worker-id"].to_str().unwrap().to_string()
+}
+
+#[tokio::test]
+async fn session_headers_keep_a_conversation_on_its_worker() {
+    let (first, second) = (Upstream::start().await, Upstream::start().await);
+    let gw = TestGateway::start(
+        &["--session-affinity-ttl-secs", "60"],
+        &[
+            "--worker",
+            &first.url(),
+            "--worker",
+            &second.url(),
+            "--health-check-secs",
+            "0",
+        ],
+    )
+    .await;
+    let client = client();
+    let prompt = |i: u32| json!({"prompt": [1000 + i, 2000 + i, 3000 + i]});
+    // Without a session, an idle fleet's ties go either way: both workers serve.
+    let mut unbound = std::collections::BTreeSet::new();
+    for i in 0..20 {
+        unbound.insert(worker_for(&client, &gw, &prompt(i), None).await);
+    }
+    assert_eq!(unbound.len(), 2, "{unbound:?}");
+    // aiperf's and inference-perf's headers (the defaults) each keep their session in place.
+    for (name, session) in [("x-session-id", "s1"), ("X-Correlation-ID", "c1")] {
+        let mut workers = std::collections::BTreeSet::new();
+        for i in 0..8 {
+            let body = prompt(100 + i);
+            workers.insert(worker_for(&client, &gw, &body, Some((name, session))).await);
+        }
+        assert_eq!(workers.len(), 1, "{name}: {workers:?}");
+    }
+    // The body's session_id wins over the header: the request binds `b1`, which the next
+    // header-only requests of `b1` then follow.
+    let body = json!({"prompt": [7, 8, 9], "session_id": "b1"});
+    let bound = worker_for(&client, &gw, &body, Some(("x-session-id", "s9"))).await;
+    for i in 0..8 {
+        let follower =
+            worker_for(&client, &gw, &prompt(200 + i), Some(("x-session-id", "b1"))).await;
+        assert_eq!(follower, bound);
+    }
+    gw.assert_no_booking_left().await;
+}
