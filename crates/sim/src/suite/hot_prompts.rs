@@ -4,7 +4,7 @@
 //! prompt overloads them while five idle; one that ignores the cache recomputes 4k tokens a
 //! request. Output: log-normal, median 180 tokens. 1×: 20 requests/s.
 
-use super::{MAX_REQUESTS, Shape, ShapeRng, in_arrival_order, request};
+use super::{MAX_REQUESTS, Shape, ShapeRng, grouped_prompts, in_arrival_order};
 use crate::SimError;
 use crate::workload::SimRequest;
 
@@ -13,9 +13,6 @@ const PROMPTS_PER_GROUP: usize = 300;
 const SYSTEM_TOKENS: usize = 4_096;
 const QUESTION_TOKENS: usize = 768;
 const RATE_RPS: f64 = 20.0;
-
-const SYSTEM: u64 = 1;
-const QUESTION: u64 = 2;
 
 pub struct HotPrompts;
 
@@ -33,22 +30,14 @@ impl Shape for HotPrompts {
 
     fn generate(&self, seed: u64, block_size: u32) -> Result<Vec<SimRequest>, SimError> {
         let mut rng = ShapeRng::new(self.name(), seed);
-        let mut order: Vec<usize> = (0..GROUPS)
-            .flat_map(|g| std::iter::repeat_n(g, PROMPTS_PER_GROUP))
-            .collect();
-        rng.shuffle(&mut order);
-        let mut at = 0.0;
-        let mut requests = Vec::with_capacity(order.len());
-        for (i, &group) in order.iter().enumerate() {
-            if i > 0 {
-                at += rng.exponential(1.0 / RATE_RPS);
-            }
-            let mut tokens = Vec::with_capacity(SYSTEM_TOKENS + QUESTION_TOKENS);
-            rng.push_segment(&mut tokens, SYSTEM, group as u64, SYSTEM_TOKENS);
-            rng.push_segment(&mut tokens, QUESTION, i as u64, QUESTION_TOKENS);
-            let output = rng.lognormal(180.0, 0.9, 8, 2_048);
-            requests.push(request(at, &tokens, output, None, block_size));
-        }
+        let requests = grouped_prompts(
+            &mut rng,
+            &[SYSTEM_TOKENS; GROUPS],
+            PROMPTS_PER_GROUP,
+            RATE_RPS,
+            |_| QUESTION_TOKENS,
+            block_size,
+        );
         Ok(in_arrival_order(requests, MAX_REQUESTS))
     }
 }

@@ -202,6 +202,40 @@ pub fn request(
     }
 }
 
+/// Groups of prompts sharing a system prompt: `per_group` requests of each group (`g`'s system
+/// prompt of `system_tokens[g]` tokens, then a question of its own of `question_tokens()`
+/// tokens), groups interleaved at random, Poisson arrivals at `rate_rps`, log-normal outputs
+/// (median 180 tokens).
+pub fn grouped_prompts(
+    rng: &mut ShapeRng,
+    system_tokens: &[usize],
+    per_group: usize,
+    rate_rps: f64,
+    mut question_tokens: impl FnMut(&mut ShapeRng) -> usize,
+    block_size: u32,
+) -> Vec<SimRequest> {
+    const SYSTEM: u64 = 1;
+    const QUESTION: u64 = 2;
+    let mut order: Vec<usize> = (0..system_tokens.len())
+        .flat_map(|g| std::iter::repeat_n(g, per_group))
+        .collect();
+    rng.shuffle(&mut order);
+    let mut at = 0.0;
+    let mut requests = Vec::with_capacity(order.len());
+    for (i, &group) in order.iter().enumerate() {
+        if i > 0 {
+            at += rng.exponential(1.0 / rate_rps);
+        }
+        let mut tokens = Vec::new();
+        rng.push_segment(&mut tokens, SYSTEM, group as u64, system_tokens[group]);
+        let question = question_tokens(rng);
+        rng.push_segment(&mut tokens, QUESTION, i as u64, question);
+        let output = rng.lognormal(180.0, 0.9, 8, 2_048);
+        requests.push(request(at, &tokens, output, None, block_size));
+    }
+    requests
+}
+
 /// Sorts requests by arrival (stable, so equal times keep their generation order) and keeps the
 /// first `max`.
 pub fn in_arrival_order(mut requests: Vec<SimRequest>, max: usize) -> Vec<SimRequest> {
