@@ -66,6 +66,8 @@ impl Selector {
             });
         }
         locked(&self.engine_loads).insert(rank, (load, now));
+        self.engine_loads_reported
+            .store(true, std::sync::atomic::Ordering::Release);
         Ok(())
     }
 

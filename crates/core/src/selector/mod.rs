@@ -174,6 +174,9 @@ pub struct Selector {
     sessions: Mutex<SessionTable>,
     /// The engines' latest load reports (`engine_load.rs`).
     engine_loads: Mutex<engine_load::EngineLoads>,
+    /// Whether any engine ever reported its load: until one does, a select never takes
+    /// `engine_loads`'s mutex (polling is opt-in).
+    engine_loads_reported: AtomicBool,
     /// This replica's id among replicas sharing bookings, and its place among the live ones
     /// (`sync.rs`).
     replica: Option<(String, Option<ReplicaSpread>)>,
@@ -236,6 +239,7 @@ impl Selector {
                 config.sessions.max_sessions,
             )),
             engine_loads: Mutex::new(HashMap::new()),
+            engine_loads_reported: AtomicBool::new(false),
             replica: None,
             shutting_down: false,
         }

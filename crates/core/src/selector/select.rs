@@ -37,7 +37,12 @@ impl Selector {
     ) -> Vec<(Candidate, &'w WorkerRecord)> {
         let load = locked(&self.load);
         // Taken after the load tracker (the module's lock order); only when asked for.
-        let engine_loads = engine_load_at.map(|now| (now, locked(&self.engine_loads)));
+        let engine_loads = engine_load_at
+            .filter(|_| {
+                self.engine_loads_reported
+                    .load(std::sync::atomic::Ordering::Acquire)
+            })
+            .map(|now| (now, locked(&self.engine_loads)));
         let speeds = load.speeds(expected_output_tokens);
         let potential = load.potential_decode(&hashes.sequence, hashes.isl_tokens, block_size);
         // One rank per worker is the common case.
