@@ -41,6 +41,10 @@ pub struct PdArgs {
     /// KV bytes per token (all layers, K and V): a block is this × --block-size bytes.
     #[arg(long, default_value_t = DEFAULT_KV_BYTES_PER_TOKEN)]
     pub pd_kv_bytes_per_token: u64,
+    /// `kvroute-pd`: a request whose best decode engine lacks at most this many of its prompt's
+    /// tokens runs there whole, without a prefill engine.
+    #[arg(long, default_value_t = kvroute_core::selector::DEFAULT_PD_BYPASS_TOKENS)]
+    pub pd_bypass_tokens: u64,
     /// Run the suite's shapes on aggregated and P/D fleets of --workers engines instead of one
     /// workload.
     #[arg(long, conflicts_with_all = ["trace", "synthetic", "out"])]
@@ -82,6 +86,7 @@ fn base_config(args: &SimArgs, sim: &SimConfig) -> Result<PdConfig, String> {
         },
         event_delay: sim.event_delay,
         seed: sim.seed,
+        bypass_tokens: args.pd.pd_bypass_tokens,
     })
 }
 
@@ -327,7 +332,7 @@ mod tests {
         assert_eq!(o.loads, vec![2.0, 4.0]);
         assert_eq!(o.shapes.len(), 6);
         assert_eq!(o.engines.len(), 2);
-        assert_eq!(o.entries.len(), 3 + 2 * 2);
+        assert_eq!(o.entries.len(), 3 + 2 * 3);
         let o = suite_pd_options(
             &args(&[
                 "--suite-pd",
@@ -343,7 +348,7 @@ mod tests {
             .unwrap(),
         )
         .unwrap();
-        assert_eq!(o.entries.len(), 3 + 2);
+        assert_eq!(o.entries.len(), 3 + 3);
         assert_eq!(o.entries[3].name(), "1P+3D / pd-round-robin");
         for bad in [
             vec!["--pd-splits", "2+5"],
@@ -388,12 +393,12 @@ mod tests {
         run_suite_pd_cmd(&a).unwrap();
         let md = std::fs::read_to_string(dir.join("pd.md")).unwrap();
         assert!(md.contains("ITL p99 ÷ best of the cell"), "{md}");
-        assert!(md.contains("1P+3D / pd-cache-aware"), "{md}");
+        assert!(md.contains("1P+3D / kvroute-pd"), "{md}");
         let json: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(dir.join("pd.json")).unwrap()).unwrap();
         let cells = json["cells"].as_array().unwrap();
         assert_eq!(cells.len(), 1);
-        assert_eq!(cells[0]["entries"].as_array().unwrap().len(), 5);
+        assert_eq!(cells[0]["entries"].as_array().unwrap().len(), 6);
         std::fs::remove_dir_all(&dir).ok();
     }
 }

@@ -7,7 +7,7 @@
 //! is its figure over the best entry's, so the best scores 1; the summary is each entry's
 //! geometric mean and worst ratio over the cells.
 
-use super::routers::{Pair, PdRouter, Whole};
+use super::routers::{KvroutePd, Pair, PdRouter, Whole};
 use super::{PdConfig, PdRun, run_pd};
 use crate::SimError;
 use crate::policy::{Policy, SelectorPolicy, resolve};
@@ -36,6 +36,8 @@ pub enum PdPolicy {
     RoundRobinPairs,
     /// `cache_aware` over the prefill pool, `least_loaded` over the decode pool.
     CacheAwarePrefill,
+    /// kvroute's selector: `select_and_reserve_disaggregated` ([`super::routers::KvroutePd`]).
+    Kvroute,
 }
 
 impl PdPolicy {
@@ -44,12 +46,17 @@ impl PdPolicy {
             Self::Aggregated(name) => name,
             Self::RoundRobinPairs => "pd-round-robin",
             Self::CacheAwarePrefill => "pd-cache-aware",
+            Self::Kvroute => "kvroute-pd",
         }
     }
 
     /// The P/D policies, for a P/D fleet.
     pub fn disaggregated() -> Vec<PdPolicy> {
-        vec![Self::RoundRobinPairs, Self::CacheAwarePrefill]
+        vec![
+            Self::RoundRobinPairs,
+            Self::CacheAwarePrefill,
+            Self::Kvroute,
+        ]
     }
 }
 
@@ -108,7 +115,9 @@ impl PdEntry {
                 }
                 Box::new(Whole::new(&policy(name)?, d, de)?)
             }
-            PdPolicy::RoundRobinPairs | PdPolicy::CacheAwarePrefill if p == 0 => {
+            PdPolicy::RoundRobinPairs | PdPolicy::CacheAwarePrefill | PdPolicy::Kvroute
+                if p == 0 =>
+            {
                 return Err(SimError::invalid(
                     "prefill-engines",
                     format!("{} needs prefill engines", self.policy.name()),
@@ -123,6 +132,7 @@ impl PdEntry {
                 (&policy("cache_aware")?, p, pe),
                 (&policy("least_loaded")?, d, de),
             )?),
+            PdPolicy::Kvroute => Box::new(KvroutePd::new(config, kvroute, config.bypass_tokens)?),
         })
     }
 }

@@ -91,6 +91,9 @@ pub struct PdConfig {
     pub event_delay: Duration,
     /// Seeds the router's random choices.
     pub seed: u64,
+    /// `kvroute-pd`: a request whose best decode engine lacks at most this many of its prompt's
+    /// tokens runs there whole (`SelectorConfig::pd_bypass_tokens`).
+    pub bypass_tokens: u64,
 }
 
 impl Default for PdConfig {
@@ -103,6 +106,7 @@ impl Default for PdConfig {
             transfer: TransferModel::default(),
             event_delay: Duration::ZERO,
             seed: 0,
+            bypass_tokens: kvroute_core::selector::DEFAULT_PD_BYPASS_TOKENS,
         }
     }
 }

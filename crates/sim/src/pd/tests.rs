@@ -5,6 +5,8 @@ use crate::sim::{SimConfig, run_policy};
 use crate::suite::{Shape, shape_workload, shapes};
 use crate::timing::{DecodeBatch, TimingModel};
 use kvroute_core::hash::{BASE_SEED, PromptHashes};
+use rand::SeedableRng;
+use rand::rngs::SmallRng;
 
 /// A small, busy workload of shared-prefix prompts (the suite's `small_groups` at 4×, first
 /// 150 requests).
@@ -101,7 +103,9 @@ fn every_request_completes_through_both_legs() {
                     let done = o.prefill_done.unwrap();
                     assert!(o.arrival < done && done + o.transfer_nanos < first);
                 }
-                None => assert!(e.prefill_engines == 0 && o.prefill_done.is_none()),
+                None => assert!(
+                    o.prefill_done.is_none() && (e.prefill_engines == 0 || o.bypass.is_some())
+                ),
             }
         }
         // Every engine stepped: prefill engines ran prompts, decode engines the outputs.
@@ -211,7 +215,8 @@ fn the_comparison_names_fleets_and_rejects_mismatches() {
             "8 agg / cache_aware",
             "8 agg / kvroute",
             "2P+6D / pd-round-robin",
-            "2P+6D / pd-cache-aware"
+            "2P+6D / pd-cache-aware",
+            "2P+6D / kvroute-pd"
         ]
     );
     let base = PdConfig::default();
@@ -246,4 +251,89 @@ fn a_shape_runs_on_a_pd_fleet() {
             .iter()
             .all(|o| o.finished.is_some() || o.rejected)
     );
+}
+
+fn prompt_request(arrival_secs: u64, first_token: u32, len: u32) -> SimRequest {
+    let tokens: Vec<u32> = (first_token..first_token + len).collect();
+    SimRequest {
+        arrival_nanos: arrival_secs * 1_000_000_000,
+        prompt: PromptHashes::from_tokens(&tokens, 64, BASE_SEED),
+        output_tokens: 20,
+        session_id: None,
+        tenant: None,
+    }
+}
+
+/// A prompt the decode engine already holds skips the prefill engine; one it lacks does not.
+#[test]
+fn kvroute_pd_bypasses_when_little_is_uncached() {
+    let kvroute = entry(1, 2, PdPolicy::Kvroute);
+    // Prompt A twice (the second long after the first ended), then prompt B.
+    let w = |len_a: u32| Workload {
+        name: "bypass".into(),
+        block_size: 64,
+        requests: vec![
+            prompt_request(0, 0, len_a),
+            prompt_request(10, 0, len_a),
+            prompt_request(20, 50_000, 1024),
+        ],
+    };
+    let r = run(&w(1024), kvroute, &PdConfig::default());
+    let o = &r.requests;
+    assert!(o[0].bypass.is_none() && o[0].prefill_engine.is_some());
+    // The decode engine that received A's copy holds all 16 of its blocks.
+    assert_eq!(o[1].bypass, Some(PdBypassReason::SmallUncached));
+    assert_eq!(
+        (o[1].prefill_engine, o[1].decode_engine),
+        (None, o[0].decode_engine)
+    );
+    assert_eq!(
+        o[1].cached_tokens, 960,
+        "every block but the one it computes"
+    );
+    assert!(o[2].bypass.is_none() && o[2].prefill_engine.is_some());
+    assert_eq!(r.bookings_left, 0);
+    // 1,000 tokens leave 40 in a partial block the decode engine never stored: above a
+    // threshold of 8, so both legs run; at a threshold of 40 it bypasses.
+    let r = run(&w(1000), kvroute, &PdConfig::default());
+    assert!(r.requests[1].bypass.is_none() && r.requests[1].prefill_engine.is_some());
+    let lenient = PdConfig {
+        bypass_tokens: 40,
+        ..PdConfig::default()
+    };
+    let r = run(&w(1000), kvroute, &lenient);
+    assert_eq!(r.requests[1].bypass, Some(PdBypassReason::SmallUncached));
+}
+
+/// The prefill booking goes when the prefill leg ends; the decode booking lives to the last
+/// token.
+#[test]
+fn kvroute_pd_frees_each_leg_when_it_ends() {
+    use super::routers::KvroutePd;
+    let config = PdConfig {
+        prefill_engines: 1,
+        decode_engines: 1,
+        ..PdConfig::default()
+    };
+    let mut router = KvroutePd::new(&config, kvroute_policy(), 8).unwrap();
+    let request = prompt_request(0, 0, 2000);
+    let now = Instant::now();
+    let mut rng = SmallRng::seed_from_u64(0);
+    let route = router
+        .route(7, &request.prompt, None, now, &mut rng)
+        .unwrap();
+    assert_eq!(
+        (route.prefill, route.decode, route.bypass),
+        (Some(0), 0, None)
+    );
+    assert_eq!(router.active_requests(), vec![1, 1]);
+    router.on_prefill_done(7, now).unwrap();
+    assert_eq!(router.active_requests(), vec![0, 1]);
+    router.on_first_token(7, now).unwrap();
+    router.on_output_block(7, now).unwrap();
+    assert_eq!(router.bookings_left(), 1);
+    router.on_finished(7, now).unwrap();
+    assert_eq!(router.active_requests(), vec![0, 0]);
+    assert_eq!(router.bookings_left(), 0);
+    assert!(router.on_finished(7, now).is_err(), "freed once");
 }
