@@ -172,6 +172,12 @@ pub struct PdFigures {
     pub e2e_p99_ms: f64,
     /// Prompt tokens found cached where they were computed.
     pub hit_rate: f64,
+    /// Σ chosen ÷ Σ best resident prefix over the pool each prompt was computed in (1 when
+    /// nothing was resident anywhere): how much of the cache on offer the router used.
+    pub decision_quality: f64,
+    /// The most requests an engine computed a prompt for, over the mean of its pool (the prefill
+    /// pool of a P/D fleet, the whole fleet otherwise).
+    pub prefill_request_imbalance: f64,
     pub completed: u64,
     pub rejected: u64,
     /// Requests run in two legs, and whole on a decode engine by the router's choice.
@@ -249,6 +255,40 @@ impl PdFigures {
                 0.0
             } else {
                 round(cached as f64 / prompt as f64, 6)
+            },
+            decision_quality: {
+                let chosen: u64 = requests.iter().map(|r| r.chosen_overlap_tokens).sum();
+                let best: u64 = requests.iter().map(|r| r.best_overlap_tokens).sum();
+                if best == 0 {
+                    1.0
+                } else {
+                    round(chosen as f64 / best as f64, 4)
+                }
+            },
+            prefill_request_imbalance: {
+                let pool = if run.prefill_engines > 0 {
+                    run.prefill_engines
+                } else {
+                    run.engines.len()
+                };
+                let mut counts = vec![0u64; pool.max(1)];
+                for r in requests {
+                    let engine = if run.prefill_engines > 0 {
+                        r.prefill_engine
+                    } else {
+                        r.decode_engine
+                    };
+                    if let Some(c) = engine.and_then(|e| counts.get_mut(e as usize)) {
+                        *c += 1;
+                    }
+                }
+                let mean = counts.iter().sum::<u64>() as f64 / counts.len() as f64;
+                let max = counts.iter().copied().max().unwrap_or(0) as f64;
+                if mean > 0.0 {
+                    round(max / mean, 3)
+                } else {
+                    1.0
+                }
             },
             completed: completed.len() as u64,
             rejected: requests.iter().filter(|r| r.rejected).count() as u64,

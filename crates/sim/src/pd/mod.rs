@@ -185,6 +185,11 @@ pub struct PdOutcome {
     pub cached_tokens: u64,
     /// Prompt tokens the decode engine already held when the leg was admitted.
     pub decode_cached_tokens: u64,
+    /// When routed: the prompt's prefix resident on the engine chosen to compute it (the
+    /// prefill engine, or the decode engine of a bypass), in tokens...
+    pub chosen_overlap_tokens: u64,
+    /// ...and the longest such prefix on any engine of that pool then.
+    pub best_overlap_tokens: u64,
     /// The first token the client sees (from the decode engine).
     pub first_token: Option<Nanos>,
     pub finished: Option<Nanos>,
@@ -307,6 +312,16 @@ pub fn run_pd(
                 }
                 outcome.decode_engine = Some(route.decode as u32);
                 outcome.bypass = route.bypass;
+                let (pool, chosen) = match route.prefill {
+                    Some(p) => (&fleet.engines[..n], p),
+                    None => (&fleet.engines[n..], route.decode),
+                };
+                let resident = |e: &Engine| {
+                    e.pool().cached_prefix_blocks(&request.prompt.sequence) as u64
+                        * u64::from(block_size)
+                };
+                outcome.chosen_overlap_tokens = resident(&pool[chosen]);
+                outcome.best_overlap_tokens = pool.iter().map(resident).max().unwrap_or(0);
                 match route.prefill {
                     Some(p) => {
                         outcome.prefill_engine = Some(p as u32);
