@@ -178,6 +178,9 @@ pub struct PdFigures {
     /// The most requests an engine computed a prompt for, over the mean of its pool (the prefill
     /// pool of a P/D fleet, the whole fleet otherwise).
     pub prefill_request_imbalance: f64,
+    /// The same ratio as the router's index saw it at each selection (selector-backed
+    /// routers only): below `decision_quality` when the index missed blocks the pools held.
+    pub selector_decision_quality: Option<f64>,
     pub completed: u64,
     pub rejected: u64,
     /// Requests run in two legs, and whole on a decode engine by the router's choice.
@@ -290,6 +293,13 @@ impl PdFigures {
                     1.0
                 }
             },
+            selector_decision_quality: run.selector_overlap.map(|(chosen, best)| {
+                if best == 0 {
+                    1.0
+                } else {
+                    round(chosen as f64 / best as f64, 4)
+                }
+            }),
             completed: completed.len() as u64,
             rejected: requests.iter().filter(|r| r.rejected).count() as u64,
             two_leg: two_leg.len() as u64,

@@ -210,6 +210,8 @@ pub struct PdRun {
     pub engines: Vec<EngineCounters>,
     /// Bookings the router still held when the run ended (0 for a correct router).
     pub bookings_left: usize,
+    /// The router's own view of its picks ([`PdRouter::selector_overlap`]).
+    pub selector_overlap: Option<(u64, u64)>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -430,6 +432,7 @@ pub fn run_pd(
         token_gaps,
         engines: fleet.engines.iter().map(Engine::counters).collect(),
         bookings_left: router.bookings_left(),
+        selector_overlap: router.selector_overlap(),
     })
 }
 

@@ -81,6 +81,11 @@ pub trait PdRouter {
     fn bookings_left(&self) -> usize {
         0
     }
+    /// Σ chosen and Σ best device overlap of the selections of the engines that computed each
+    /// prompt, as the router's own index saw them (`None`: it keeps no index).
+    fn selector_overlap(&self) -> Option<(u64, u64)> {
+        None
+    }
 }
 
 /// An aggregated policy over every engine of an aggregated fleet.
@@ -225,6 +230,7 @@ pub struct KvroutePd {
     /// Each routed request's (prefill booking, decode booking).
     bookings: HashMap<RequestId, (Option<String>, String)>,
     last_tick: Option<Instant>,
+    overlap: (u64, u64),
 }
 
 impl KvroutePd {
@@ -279,6 +285,7 @@ impl KvroutePd {
             prefill_engines: config.prefill_engines,
             bookings: HashMap::new(),
             last_tick: None,
+            overlap: (0, 0),
         })
     }
 
@@ -356,6 +363,9 @@ impl PdRouter for KvroutePd {
             None => None,
         };
         let decode = self.pool_index(picks.decode.worker_id, false)?;
+        let computing = picks.prefill.as_ref().unwrap_or(&picks.decode);
+        self.overlap.0 += computing.overlap.gpu;
+        self.overlap.1 += computing.best_gpu_overlap;
         self.bookings.insert(
             id,
             (
@@ -404,6 +414,10 @@ impl PdRouter for KvroutePd {
             return Err(SimError::Internal(format!("request {id} was never booked")));
         };
         Ok(self.selector.free(&leg, now)?)
+    }
+
+    fn selector_overlap(&self) -> Option<(u64, u64)> {
+        Some(self.overlap)
     }
 
     fn bookings_left(&self) -> usize {
