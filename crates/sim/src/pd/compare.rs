@@ -566,6 +566,28 @@ pub fn suite_markdown(cells: &[PdCell]) -> String {
         };
         let names: Vec<&str> = first.entries.iter().map(|e| e.entry.as_str()).collect();
         let scores = scores(cells, engine);
+        md.push_str(&format!(
+            "\n### {engine} engine model: summary, geomean (worst) of the ratios to the best of each cell\n\n| fleet / policy |"
+        ));
+        for metric in PdMetric::ALL {
+            md.push_str(&format!(" {} |", metric.label()));
+        }
+        md.push_str(" hit rate |\n|---|---:|---:|---:|---:|---:|\n");
+        for (i, name) in names.iter().enumerate() {
+            md.push_str(&format!("| {name} |"));
+            for metric in PdMetric::ALL {
+                if let Some(s) = scores.iter().filter(|s| s.metric == metric).nth(i) {
+                    md.push_str(&format!(" {:.2} ({:.2}) |", s.geomean, s.worst));
+                }
+            }
+            let hit = mean(
+                of_engine
+                    .iter()
+                    .filter_map(|c| c.entries.get(i))
+                    .map(|e| e.hit_rate),
+            );
+            md.push_str(&format!(" {:.1} % |\n", hit * 100.0));
+        }
         for metric in PdMetric::ALL {
             md.push_str(&format!(
                 "\n### {engine} engine model: {} ÷ best of the cell\n\n| cell |",
