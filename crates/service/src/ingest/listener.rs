@@ -9,7 +9,9 @@ use bytes::Bytes;
 use futures::StreamExt;
 use kvroute_core::event::KvEvent;
 use kvroute_wire::frames::{self, ReplayReply};
-use kvroute_wire::{DropReason, EventBatch, RawEvent, WireError, convert_event, decode_batch};
+use kvroute_wire::{
+    DropReason, EventBatch, RawEvent, WireError, convert_event, decode_batch, feeds_index,
+};
 use std::collections::{BTreeSet, VecDeque};
 use std::ops::Range;
 use std::sync::Arc;
@@ -51,6 +53,9 @@ pub(crate) struct ListenerSpec {
     pub dp_ranks: Range<u32>,
     pub endpoint: String,
     pub replay_endpoint: Option<String>,
+    /// The block size the worker registered (0: unknown): its `BlockStored` events must carry
+    /// it, or no prompt hashed at it can match them (`block_size_mismatch`).
+    pub block_size: u32,
 }
 
 /// Where a message came from.
@@ -579,6 +584,17 @@ impl Listener {
 
     /// Converts a batch's events and hands them to the sink under the batch's rank.
     fn apply(&mut self, batch: &EventBatch) {
+        let degraded = &self.metrics.degraded;
+        degraded.events_arrived(self.spec.worker_id);
+        let stored_size = batch.events.iter().find_map(|raw| match raw {
+            RawEvent::Stored(s) if feeds_index(s.kv_cache_spec_kind.as_deref(), s.group_idx) => {
+                Some(s.block_size)
+            }
+            _ => None,
+        });
+        if let Some(size) = stored_size {
+            degraded.block_size_seen(self.spec.worker_id, size, &self.spec.endpoint);
+        }
         let mut events = Vec::with_capacity(batch.events.len());
         for raw in &batch.events {
             match convert_event(raw) {
