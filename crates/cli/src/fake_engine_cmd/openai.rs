@@ -48,6 +48,11 @@ pub struct OpenAiArgs {
     /// Most requests running at once.
     #[arg(long, default_value_t = 256)]
     pub max_num_seqs: usize,
+    /// Tokens put before every prompt the engine generates from (not in /tokenize), as a chat
+    /// template the router does not know would: a way to see the router report
+    /// `tokenizer_mismatch`.
+    #[arg(long, default_value_t = 0)]
+    pub prompt_prefix_tokens: u32,
 }
 
 /// The engine's configuration and HTTP address, or what is wrong.
@@ -78,6 +83,7 @@ fn plan(args: &FakeEngineArgs) -> Result<(MockEngineConfig, SocketAddr), String>
         },
         time_scale: openai.time_scale,
         max_model_len: openai.max_model_len,
+        prompt_prefix_tokens: openai.prompt_prefix_tokens,
         ..defaults
     };
     config

@@ -39,6 +39,7 @@
 //! ## Faults and counters, for tests
 //! [`MockEngine::kill`] (every connection dropped at once, new ones refused, the engine and its
 //! PUB socket stopped), [`MockEngine::set_unhealthy`], [`MockEngine::set_first_token_delay`],
+//! [`MockEngine::set_prompt_prefix_tokens`] (a prompt prefix the router does not know),
 //! [`MockEngine::requests_served`], [`MockEngine::in_flight`], [`MockEngine::recent_requests`].
 //!
 //! Files: `engine_loop.rs` (the real-time loop and its KV events), `generate.rs` (the two
@@ -99,6 +100,12 @@ pub struct MockEngineConfig {
     pub max_model_len: u32,
     /// Output tokens of a request without `max_tokens`.
     pub default_max_tokens: u32,
+    /// Tokens the engine puts before every prompt it generates from (not in `/tokenize`'s
+    /// answer), as a chat template or system prompt the router does not know would: its
+    /// `usage.prompt_tokens` and its KV blocks then differ from what a router computes, which
+    /// the router should report (`tokenizer_mismatch`). 0 by default;
+    /// [`MockEngine::set_prompt_prefix_tokens`] changes it while running.
+    pub prompt_prefix_tokens: u32,
 }
 
 impl Default for MockEngineConfig {
@@ -117,6 +124,7 @@ impl Default for MockEngineConfig {
             time_scale: 1.0,
             max_model_len: 32_768,
             default_max_tokens: 16,
+            prompt_prefix_tokens: 0,
         }
     }
 }
@@ -167,6 +175,7 @@ pub(crate) struct Shared {
     killed: AtomicBool,
     unhealthy: AtomicBool,
     first_token_delay_nanos: AtomicU64,
+    prompt_prefix_tokens: std::sync::atomic::AtomicU32,
     served: AtomicU64,
     in_flight: AtomicUsize,
     event_batches: AtomicU64,
@@ -187,6 +196,7 @@ impl Shared {
             killed: AtomicBool::new(false),
             unhealthy: AtomicBool::new(false),
             first_token_delay_nanos: AtomicU64::new(0),
+            prompt_prefix_tokens: std::sync::atomic::AtomicU32::new(0),
             served: AtomicU64::new(0),
             in_flight: AtomicUsize::new(0),
             event_batches: AtomicU64::new(0),
@@ -200,6 +210,10 @@ impl Shared {
     fn request_id(&self, prefix: &str) -> String {
         let n = self.next_request.fetch_add(1, Ordering::Relaxed);
         format!("{prefix}-{:016x}{n:016x}", self.nonce)
+    }
+
+    fn prompt_prefix_tokens(&self) -> u32 {
+        self.prompt_prefix_tokens.load(Ordering::Relaxed)
     }
 
     fn first_token_delay(&self) -> Duration {
@@ -335,6 +349,9 @@ impl MockEngine {
             }
         };
         let shared = Arc::new(Shared::new());
+        shared
+            .prompt_prefix_tokens
+            .store(config.prompt_prefix_tokens, Ordering::Relaxed);
         let (graceful, _) = watch::channel(false);
         let (killed, _) = watch::channel(false);
         let (open, open_rx) = watch::channel(());
@@ -439,6 +456,14 @@ impl MockEngine {
         self.shared
             .first_token_delay_nanos
             .store(nanos, Ordering::Relaxed);
+    }
+
+    /// Puts `tokens` tokens before every new prompt from now on (see
+    /// [`MockEngineConfig::prompt_prefix_tokens`]; 0: none).
+    pub fn set_prompt_prefix_tokens(&self, tokens: u32) {
+        self.shared
+            .prompt_prefix_tokens
+            .store(tokens, Ordering::Relaxed);
     }
 
     /// Requests that got every token.
