@@ -120,23 +120,46 @@ async fn an_engine_counting_other_prompt_tokens_is_reported_until_it_agrees() {
     engine.shutdown().await;
 }
 
-/// Sends `text` until the engine's KV events for it are in the index.
-async fn until_indexed(client: &TestClient, gw: &TestGateway, engine: &MockEngine, text: &str) {
-    let ids = engine.tokenizer().encode(text, true).unwrap();
-    complete(client, gw, text, false).await;
-    eventually("the engine's KV events were applied", || {
-        let body: kvroute_service::types::PromptRouteBody =
-            serde_json::from_value(json!({"token_ids": ids})).unwrap();
-        let scores = kvroute_service::http::render::overlap_scores(
-            &kvroute_service::api::overlap_scores(&gw.state, body).unwrap(),
+/// Sends fresh prompts (of seeds `seed`, `seed + 1000`, …) until the engine's KV events for one
+/// are in the index (a listener that just (re)connected may miss the first), and returns it.
+async fn until_indexed(
+    client: &TestClient,
+    gw: &TestGateway,
+    engine: &MockEngine,
+    seed: usize,
+    blocks: usize,
+) -> String {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let mut attempt = 0;
+    loop {
+        let text = prompt(seed + 1000 * attempt, blocks);
+        attempt += 1;
+        let ids = engine.tokenizer().encode(&text, true).unwrap();
+        complete(client, gw, &text, false).await;
+        let held = || {
+            let body: kvroute_service::types::PromptRouteBody =
+                serde_json::from_value(json!({"token_ids": ids})).unwrap();
+            let scores = kvroute_service::http::render::overlap_scores(
+                &kvroute_service::api::overlap_scores(&gw.state, body).unwrap(),
+            );
+            scores["workers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|w| w["device_blocks"].as_u64().unwrap() > 0)
+        };
+        let until = tokio::time::Instant::now() + std::time::Duration::from_millis(500);
+        while tokio::time::Instant::now() < until {
+            if held() {
+                return text;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the engine's KV events never reached the index"
         );
-        scores["workers"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|w| w["device_blocks"].as_u64().unwrap() > 0)
-    })
-    .await;
+    }
 }
 
 #[tokio::test]
@@ -199,8 +222,7 @@ async fn an_engine_with_other_blocks_is_reported_until_the_worker_is_registered_
     kvroute_service::api::upsert_worker(&gw.state, body).unwrap();
     assert_eq!(reasons(&gw, worker_id), ["cache_mismatch"]);
     assert_eq!(gauge(&gw, worker_id, "block_size_mismatch"), Some(0));
-    let fresh = prompt(2, 8);
-    until_indexed(&client, &gw, &engine, &fresh).await;
+    let fresh = until_indexed(&client, &gw, &engine, 2, 8).await;
     for _ in 0..16 {
         complete(&client, &gw, &fresh, false).await;
     }
@@ -259,12 +281,12 @@ async fn a_worker_whose_events_never_come_is_reported_until_registered_right() {
     assert!(reasons(&gw, worker_id).is_empty());
     assert_eq!(gauge(&gw, worker_id, "no_kv_events"), Some(0));
     assert!(engine.wait_for_event_subscribers(1, WAIT).await);
-    until_indexed(&client, &gw, &engine, &prompt(50, 4)).await;
+    until_indexed(&client, &gw, &engine, 50, 4).await;
     for seed in 60..66 {
         complete(&client, &gw, &prompt(seed, 4), false).await;
     }
     // Each answer stored blocks, whose events keep the worker's silent bookings few.
-    until_indexed(&client, &gw, &engine, &prompt(66, 4)).await;
+    until_indexed(&client, &gw, &engine, 66, 4).await;
     gw.state.advance_clock(std::time::Duration::from_secs(31));
     gw.state.tick(gw.state.now());
     assert!(reasons(&gw, worker_id).is_empty());
