@@ -53,9 +53,6 @@ pub(crate) struct ListenerSpec {
     pub dp_ranks: Range<u32>,
     pub endpoint: String,
     pub replay_endpoint: Option<String>,
-    /// The block size the worker registered (0: unknown): its `BlockStored` events must carry
-    /// it, or no prompt hashed at it can match them (`block_size_mismatch`).
-    pub block_size: u32,
 }
 
 /// Where a message came from.
@@ -584,6 +581,8 @@ impl Listener {
 
     /// Converts a batch's events and hands them to the sink under the batch's rank.
     fn apply(&mut self, batch: &EventBatch) {
+        // For `crate::degraded`: the worker's events arrive, with blocks of this size (which
+        // must be its registered one, or no prompt hashed at that size can match them).
         let degraded = &self.metrics.degraded;
         degraded.events_arrived(self.spec.worker_id);
         let stored_size = batch.events.iter().find_map(|raw| match raw {

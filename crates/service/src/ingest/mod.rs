@@ -380,7 +380,6 @@ fn listener_specs(record: &WorkerRecord) -> Vec<ListenerSpec> {
             dp_ranks: record.spec.dp_ranks(),
             endpoint,
             replay_endpoint: replay_endpoint.clone(),
-            block_size: record.spec.block_size.unwrap_or(0),
         })
         .collect()
 }
