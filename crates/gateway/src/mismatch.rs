@@ -144,7 +144,8 @@ impl MismatchWatch {
                     "worker {worker_id}: in {offs} of its last {n} answers the engine counted \
                      other prompt tokens than the gateway (last: gateway {ours}, engine {theirs}): \
                      give the gateway the engine's tokenizer and chat template (--tokenizer \
-                     MODEL=PATH of the model the engine serves, or --tokenize remote)",
+                     MODEL=PATH of the model the engine serves, or --tokenize remote), and check \
+                     that the engine adds no template or system prompt of its own",
                     offs = worker.tokens.offs(),
                     n = worker.tokens.verdicts.len(),
                     theirs = usage.prompt_tokens,
