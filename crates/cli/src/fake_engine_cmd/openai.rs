@@ -53,6 +53,10 @@ pub struct OpenAiArgs {
     /// `tokenizer_mismatch`.
     #[arg(long, default_value_t = 0)]
     pub prompt_prefix_tokens: u32,
+    /// Answer `usage.prompt_tokens_details: null`, as vLLM does without
+    /// --enable-prompt-tokens-details (by default the mock reports `cached_tokens`).
+    #[arg(long)]
+    pub no_prompt_tokens_details: bool,
 }
 
 /// The engine's configuration and HTTP address, or what is wrong.
@@ -84,6 +88,7 @@ fn plan(args: &FakeEngineArgs) -> Result<(MockEngineConfig, SocketAddr), String>
         time_scale: openai.time_scale,
         max_model_len: openai.max_model_len,
         prompt_prefix_tokens: openai.prompt_prefix_tokens,
+        prompt_tokens_details: !openai.no_prompt_tokens_details,
         ..defaults
     };
     config

@@ -10,11 +10,18 @@ use kvroute_testkit::openai_engine::{MockEngine, MockEngineConfig};
 use serde_json::json;
 
 async fn engine(block_size: u32) -> MockEngine {
+    engine_with(MockEngineConfig {
+        block_size,
+        ..MockEngineConfig::default()
+    })
+    .await
+}
+
+async fn engine_with(config: MockEngineConfig) -> MockEngine {
     let config = MockEngineConfig {
         events_bind: Some("tcp://127.0.0.1:0".to_string()),
         time_scale: 0.0,
-        block_size,
-        ..MockEngineConfig::default()
+        ..config
     };
     MockEngine::start_on(config, "127.0.0.1:0".parse().unwrap())
         .await
@@ -290,5 +297,44 @@ async fn a_worker_whose_events_never_come_is_reported_until_registered_right() {
     gw.state.advance_clock(std::time::Duration::from_secs(31));
     gw.state.tick(gw.state.now());
     assert!(reasons(&gw, worker_id).is_empty());
+    engine.shutdown().await;
+}
+
+/// An engine that does not report cached tokens (vLLM without --enable-prompt-tokens-details)
+/// gives the cache check nothing to compare: only its events' block size is reported.
+#[tokio::test]
+async fn without_cached_tokens_in_usage_only_the_block_size_is_reported() {
+    let engine = engine_with(MockEngineConfig {
+        block_size: 32,
+        prompt_tokens_details: false,
+        ..MockEngineConfig::default()
+    })
+    .await;
+    let flag = format!("{}={}", engine.url(), engine.events_endpoint().unwrap());
+    let gw = TestGateway::start(
+        &["--predicted-ttl-secs", "0"],
+        &[
+            "--worker",
+            &flag,
+            "--tokenize",
+            "remote",
+            "--health-check-secs",
+            "0",
+        ],
+    )
+    .await;
+    let worker_id = worker_id_for(&engine.url());
+    let client = client();
+    let text = prompt(3, 8);
+    for _ in 0..12 {
+        complete(&client, &gw, &text, false).await;
+    }
+    eventually("the block size was checked", || {
+        !reasons(&gw, worker_id).is_empty()
+    })
+    .await;
+    gw.assert_no_booking_left().await;
+    assert_eq!(reasons(&gw, worker_id), ["block_size_mismatch"]);
+    assert_eq!(gauge(&gw, worker_id, "cache_mismatch"), None);
     engine.shutdown().await;
 }

@@ -266,7 +266,9 @@ impl Answer {
             ..Usage::new(
                 self.job.prompt.len() as u64,
                 u64::from(self.produced),
-                self.cached_tokens,
+                self.state
+                    .prompt_tokens_details
+                    .then_some(self.cached_tokens),
             )
         }
     }

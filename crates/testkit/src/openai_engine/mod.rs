@@ -18,7 +18,8 @@
 //!
 //! ## What it serves (vLLM's shapes; `protocol.rs` has them)
 //! `POST /v1/completions` and `POST /v1/chat/completions`, streaming (SSE) or not, with
-//! `usage.prompt_tokens_details.cached_tokens`; `POST /tokenize`, `POST /detokenize`,
+//! `usage.prompt_tokens_details.cached_tokens` (`null` with `prompt_tokens_details: false`, as
+//! vLLM without `--enable-prompt-tokens-details`); `POST /tokenize`, `POST /detokenize`,
 //! `GET /health`, `GET /v1/models`, `GET /metrics` (vLLM's running/waiting/KV-usage gauges).
 //! Every answer is `max_tokens` tokens long (default 16).
 //!
@@ -106,6 +107,9 @@ pub struct MockEngineConfig {
     /// the router should report (`tokenizer_mismatch`). 0 by default;
     /// [`MockEngine::set_prompt_prefix_tokens`] changes it while running.
     pub prompt_prefix_tokens: u32,
+    /// Report `usage.prompt_tokens_details.cached_tokens`, as vLLM does with
+    /// `--enable-prompt-tokens-details` (the default here); `false`: `null`, vLLM's default.
+    pub prompt_tokens_details: bool,
 }
 
 impl Default for MockEngineConfig {
@@ -125,6 +129,7 @@ impl Default for MockEngineConfig {
             max_model_len: 32_768,
             default_max_tokens: 16,
             prompt_prefix_tokens: 0,
+            prompt_tokens_details: true,
         }
     }
 }
@@ -300,6 +305,7 @@ pub(crate) struct AppState {
     block_size: u32,
     max_model_len: u32,
     default_max_tokens: u32,
+    prompt_tokens_details: bool,
     engine: EngineConfig,
     tokenizer: MockTokenizer,
     submissions: mpsc::UnboundedSender<engine_loop::Submission>,
@@ -367,6 +373,7 @@ impl MockEngine {
             block_size: config.block_size,
             max_model_len: config.max_model_len,
             default_max_tokens: config.default_max_tokens,
+            prompt_tokens_details: config.prompt_tokens_details,
             engine: engine_config,
             tokenizer: tokenizer.clone(),
             submissions,
