@@ -120,6 +120,17 @@ impl ServiceLink {
         names
     }
 
+    /// Raises (`Some(message)`) or clears (`None`) a reason the worker's routing is degraded,
+    /// in the service's registry (`kvroute_service::degraded`).
+    pub fn report_degraded(
+        &self,
+        worker_id: u64,
+        reason: kvroute_service::degraded::Reason,
+        message: Option<String>,
+    ) {
+        self.service.report_degraded(worker_id, reason, message);
+    }
+
     /// Registers (or re-registers) a worker, as `POST /workers` does.
     pub fn upsert_worker(&self, worker: WorkerBody) -> Result<(), String> {
         self.service
@@ -175,13 +186,21 @@ impl ServiceLink {
             reservation,
         } = booked;
         let worker_id = selection.worker_id;
-        let booking = Booking::new(
+        let mut booking = Booking::new(
             self.service.clone(),
             reservation.reservation_id,
             worker_id,
             selection.block_size,
             bookings_open.clone(),
         );
+        booking.routed = Routed {
+            prompt_tokens: match request.prompt {
+                RoutingPrompt::Tokens(ids) => Some(ids.len() as u64),
+                RoutingPrompt::Estimate { .. } => None,
+            },
+            cached_tokens: selection.overlap.gpu,
+            cached_tokens_max: selection.overlap.gpu.max(selection.overlap.longest_matched),
+        };
         if selection.endpoint.is_empty() {
             return Err(GatewayError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -192,11 +211,25 @@ impl ServiceLink {
     }
 }
 
+/// What the router knew of a request when it booked it, to hold the engine's answer against
+/// (`crate::mismatch`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Routed {
+    /// The gateway's token count of the prompt; `None` when it only estimated it.
+    pub prompt_tokens: Option<u64>,
+    /// The device overlap predicted on the booked rank, in tokens.
+    pub cached_tokens: u64,
+    /// The longest overlap on any of its tiers, in tokens.
+    pub cached_tokens_max: u64,
+}
+
 /// A live booking on a worker.
 pub struct Booking {
     service: Service,
     pub reservation_id: String,
     pub worker_id: u64,
+    /// What the selection predicted (set by [`ServiceLink::book`]).
+    pub routed: Routed,
     block_size: u64,
     generated_tokens: u64,
     reported_blocks: u64,
@@ -230,6 +263,7 @@ impl Booking {
             service,
             reservation_id,
             worker_id,
+            routed: Routed::default(),
             block_size: u64::from(block_size.max(1)),
             generated_tokens: 0,
             reported_blocks: 0,
@@ -273,6 +307,11 @@ impl Booking {
                 self.reported_blocks = blocks;
             }
         }
+    }
+
+    /// Tokens per block of the booked worker.
+    pub fn block_size(&self) -> u64 {
+        self.block_size
     }
 
     pub fn generated_tokens(&self) -> u64 {

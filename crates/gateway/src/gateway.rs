@@ -7,6 +7,7 @@ use crate::client::{self, UpstreamClient};
 use crate::config::GatewayConfig;
 use crate::health::HealthHandle;
 use crate::metrics::GatewayMetrics;
+use crate::mismatch::MismatchWatch;
 use crate::policy::Policy;
 use crate::proxy::ResponseLimits;
 use crate::tokenize::{RemoteTokenizer, TokenizeMode, Tokenizers};
@@ -23,6 +24,8 @@ pub struct Gateway {
     pub(crate) health: HealthHandle,
     pub(crate) tokenizers: Tokenizers,
     pub(crate) policy: Policy,
+    /// The engines' counts held against the gateway's (`tokenizer_mismatch`, `cache_mismatch`).
+    pub(crate) mismatch: Arc<MismatchWatch>,
 }
 
 impl std::fmt::Debug for Gateway {
@@ -57,6 +60,7 @@ impl Gateway {
         Ok(Arc::new(Self {
             health: HealthHandle::new(Breakers::new(config.breaker), metrics),
             policy: Policy::new(config.policy),
+            mismatch: MismatchWatch::new(link.clone()),
             link,
             config,
             client,

@@ -10,6 +10,7 @@ use crate::booking::{BookRequest, Booking};
 use crate::client::error_chain;
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
+use crate::mismatch::Expected;
 use crate::openai::{Kind, OpenAiRequest};
 use crate::proxy::ProxyBody;
 use crate::tokenize::RoutingPrompt;
@@ -196,8 +197,11 @@ fn respond(
         booking.prefill_complete();
     }
     let worker_id = booking.worker_id;
+    let probe = status
+        .is_success()
+        .then(|| gateway.mismatch.probe(worker_id, expected(&booking)));
     let (parts, incoming) = response.into_parts();
-    let body = ProxyBody::new(
+    let mut body = ProxyBody::new(
         incoming,
         gateway.health.clone(),
         gateway.response_limits(),
@@ -205,6 +209,9 @@ fn respond(
         streaming,
         dispatched_at,
     );
+    if let Some(probe) = probe {
+        body = body.with_usage_probe(probe);
+    }
     let mut out = Response::new(Body::new(body));
     *out.status_mut() = parts.status;
     copy_headers(&parts.headers, out.headers_mut());
@@ -212,6 +219,16 @@ fn respond(
         out.headers_mut().insert("x-kvroute-worker-id", value);
     }
     out
+}
+
+/// What the booking predicted, for the comparison with the answer's `usage`.
+fn expected(booking: &Booking) -> Expected {
+    Expected {
+        prompt_tokens: booking.routed.prompt_tokens,
+        cached_tokens: booking.routed.cached_tokens,
+        cached_tokens_max: booking.routed.cached_tokens_max,
+        block_size: booking.block_size(),
+    }
 }
 
 /// The headers of the engine's answer the client gets (no hop-by-hop or framing headers).

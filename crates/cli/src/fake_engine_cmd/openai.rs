@@ -48,6 +48,15 @@ pub struct OpenAiArgs {
     /// Most requests running at once.
     #[arg(long, default_value_t = 256)]
     pub max_num_seqs: usize,
+    /// Tokens put before every prompt the engine generates from (not in /tokenize), as a chat
+    /// template the router does not know would: a way to see the router report
+    /// `tokenizer_mismatch`.
+    #[arg(long, default_value_t = 0)]
+    pub prompt_prefix_tokens: u32,
+    /// Answer `usage.prompt_tokens_details: null`, as vLLM does without
+    /// --enable-prompt-tokens-details (by default the mock reports `cached_tokens`).
+    #[arg(long)]
+    pub no_prompt_tokens_details: bool,
 }
 
 /// The engine's configuration and HTTP address, or what is wrong.
@@ -78,6 +87,8 @@ fn plan(args: &FakeEngineArgs) -> Result<(MockEngineConfig, SocketAddr), String>
         },
         time_scale: openai.time_scale,
         max_model_len: openai.max_model_len,
+        prompt_prefix_tokens: openai.prompt_prefix_tokens,
+        prompt_tokens_details: !openai.no_prompt_tokens_details,
         ..defaults
     };
     config

@@ -4,6 +4,7 @@
 //!   response ends (the end, the client leaving, the engine dying, a timeout) frees it.
 //! - [`failures`]: retries to the next worker, circuit breakers, 503 and 429 answers.
 //! - [`front`]: chat templates, remote tokenization, the workers file, API keys, `/v1/models`.
+//! - [`degraded`]: routing gone blind (tokens, blocks, silent events) reported and cleared.
 //! - [`engine`]: the whole path against the mock OpenAI engine, its KV events included.
 //! - [`common`]: the gateway in process, a small vLLM-shaped upstream, the client.
 
@@ -11,6 +12,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
+mod degraded;
 mod engine;
 mod failures;
 mod front;

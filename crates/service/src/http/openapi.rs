@@ -169,7 +169,12 @@ fn response_schemas() -> Value {
         "RankLoad": object(json!({
             "worker_id": int, "dp_rank": int, "potential_prefill_tokens": int,
             "potential_decode_blocks": int, "active_requests": int,
-            "cache_model": {"allOf": [schema("CacheModel")], "description": "/loads only"}
+            "cache_model": {"allOf": [schema("CacheModel")], "description": "/loads only"},
+            "degraded": {
+                "type": "array",
+                "description": "/loads only, and only while the worker's routing is degraded: each reason (no_kv_events, block_size_mismatch, tokenizer_mismatch, cache_mismatch) with a sentence naming what to fix",
+                "items": object(json!({"reason": string, "message": string}))
+            }
         })),
         "CacheModel": cache_model,
         "PartitionLoads": object(json!({

@@ -177,7 +177,13 @@ fn max_tokens(requested: Option<i64>, default: u32) -> Result<u32, ApiError> {
 }
 
 /// Checks the job against the engine, hands it over and answers.
-async fn run(state: Arc<AppState>, job: Job, arrived: Instant) -> Response {
+async fn run(state: Arc<AppState>, mut job: Job, arrived: Instant) -> Response {
+    let prefix = state.shared.prompt_prefix_tokens() as usize;
+    if prefix > 0 {
+        // Ids of the engine's own output: valid for any tokenizer.
+        let ids = state.tokenizer.output_ids(prefix);
+        job.prompt.splice(0..0, ids);
+    }
     let prompt_tokens = job.prompt.len();
     if prompt_tokens as u64 + u64::from(job.max_tokens) > u64::from(state.max_model_len) {
         return ApiError::too_long(state.max_model_len, prompt_tokens, job.max_tokens)
@@ -260,7 +266,9 @@ impl Answer {
             ..Usage::new(
                 self.job.prompt.len() as u64,
                 u64::from(self.produced),
-                self.cached_tokens,
+                self.state
+                    .prompt_tokens_details
+                    .then_some(self.cached_tokens),
             )
         }
     }

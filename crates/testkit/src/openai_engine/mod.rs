@@ -18,7 +18,8 @@
 //!
 //! ## What it serves (vLLM's shapes; `protocol.rs` has them)
 //! `POST /v1/completions` and `POST /v1/chat/completions`, streaming (SSE) or not, with
-//! `usage.prompt_tokens_details.cached_tokens`; `POST /tokenize`, `POST /detokenize`,
+//! `usage.prompt_tokens_details.cached_tokens` (`null` with `prompt_tokens_details: false`, as
+//! vLLM without `--enable-prompt-tokens-details`); `POST /tokenize`, `POST /detokenize`,
 //! `GET /health`, `GET /v1/models`, `GET /metrics` (vLLM's running/waiting/KV-usage gauges).
 //! Every answer is `max_tokens` tokens long (default 16).
 //!
@@ -39,6 +40,7 @@
 //! ## Faults and counters, for tests
 //! [`MockEngine::kill`] (every connection dropped at once, new ones refused, the engine and its
 //! PUB socket stopped), [`MockEngine::set_unhealthy`], [`MockEngine::set_first_token_delay`],
+//! [`MockEngine::set_prompt_prefix_tokens`] (a prompt prefix the router does not know),
 //! [`MockEngine::requests_served`], [`MockEngine::in_flight`], [`MockEngine::recent_requests`].
 //!
 //! Files: `engine_loop.rs` (the real-time loop and its KV events), `generate.rs` (the two
@@ -99,6 +101,15 @@ pub struct MockEngineConfig {
     pub max_model_len: u32,
     /// Output tokens of a request without `max_tokens`.
     pub default_max_tokens: u32,
+    /// Tokens the engine puts before every prompt it generates from (not in `/tokenize`'s
+    /// answer), as a chat template or system prompt the router does not know would: its
+    /// `usage.prompt_tokens` and its KV blocks then differ from what a router computes, which
+    /// the router should report (`tokenizer_mismatch`). 0 by default;
+    /// [`MockEngine::set_prompt_prefix_tokens`] changes it while running.
+    pub prompt_prefix_tokens: u32,
+    /// Report `usage.prompt_tokens_details.cached_tokens`, as vLLM does with
+    /// `--enable-prompt-tokens-details` (the default here); `false`: `null`, vLLM's default.
+    pub prompt_tokens_details: bool,
 }
 
 impl Default for MockEngineConfig {
@@ -117,6 +128,8 @@ impl Default for MockEngineConfig {
             time_scale: 1.0,
             max_model_len: 32_768,
             default_max_tokens: 16,
+            prompt_prefix_tokens: 0,
+            prompt_tokens_details: true,
         }
     }
 }
@@ -167,6 +180,7 @@ pub(crate) struct Shared {
     killed: AtomicBool,
     unhealthy: AtomicBool,
     first_token_delay_nanos: AtomicU64,
+    prompt_prefix_tokens: std::sync::atomic::AtomicU32,
     served: AtomicU64,
     in_flight: AtomicUsize,
     event_batches: AtomicU64,
@@ -187,6 +201,7 @@ impl Shared {
             killed: AtomicBool::new(false),
             unhealthy: AtomicBool::new(false),
             first_token_delay_nanos: AtomicU64::new(0),
+            prompt_prefix_tokens: std::sync::atomic::AtomicU32::new(0),
             served: AtomicU64::new(0),
             in_flight: AtomicUsize::new(0),
             event_batches: AtomicU64::new(0),
@@ -200,6 +215,10 @@ impl Shared {
     fn request_id(&self, prefix: &str) -> String {
         let n = self.next_request.fetch_add(1, Ordering::Relaxed);
         format!("{prefix}-{:016x}{n:016x}", self.nonce)
+    }
+
+    fn prompt_prefix_tokens(&self) -> u32 {
+        self.prompt_prefix_tokens.load(Ordering::Relaxed)
     }
 
     fn first_token_delay(&self) -> Duration {
@@ -286,6 +305,7 @@ pub(crate) struct AppState {
     block_size: u32,
     max_model_len: u32,
     default_max_tokens: u32,
+    prompt_tokens_details: bool,
     engine: EngineConfig,
     tokenizer: MockTokenizer,
     submissions: mpsc::UnboundedSender<engine_loop::Submission>,
@@ -335,6 +355,9 @@ impl MockEngine {
             }
         };
         let shared = Arc::new(Shared::new());
+        shared
+            .prompt_prefix_tokens
+            .store(config.prompt_prefix_tokens, Ordering::Relaxed);
         let (graceful, _) = watch::channel(false);
         let (killed, _) = watch::channel(false);
         let (open, open_rx) = watch::channel(());
@@ -350,6 +373,7 @@ impl MockEngine {
             block_size: config.block_size,
             max_model_len: config.max_model_len,
             default_max_tokens: config.default_max_tokens,
+            prompt_tokens_details: config.prompt_tokens_details,
             engine: engine_config,
             tokenizer: tokenizer.clone(),
             submissions,
@@ -439,6 +463,14 @@ impl MockEngine {
         self.shared
             .first_token_delay_nanos
             .store(nanos, Ordering::Relaxed);
+    }
+
+    /// Puts `tokens` tokens before every new prompt from now on (see
+    /// [`MockEngineConfig::prompt_prefix_tokens`]; 0: none).
+    pub fn set_prompt_prefix_tokens(&self, tokens: u32) {
+        self.shared
+            .prompt_prefix_tokens
+            .store(tokens, Ordering::Relaxed);
     }
 
     /// Requests that got every token.

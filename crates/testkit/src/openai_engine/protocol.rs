@@ -296,7 +296,8 @@ pub(crate) struct Usage {
     pub prompt_tokens: u64,
     pub total_tokens: u64,
     pub completion_tokens: u64,
-    pub prompt_tokens_details: PromptTokensDetails,
+    /// `null` unless the engine reports it (vLLM: `--enable-prompt-tokens-details`).
+    pub prompt_tokens_details: Option<PromptTokensDetails>,
     /// The mock's own time to first token, from its handler's start (not vLLM's: a benchmark
     /// subtracts it from the client's to see what sits between them; OpenAI clients ignore it).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -304,12 +305,14 @@ pub(crate) struct Usage {
 }
 
 impl Usage {
-    pub fn new(prompt_tokens: u64, completion_tokens: u64, cached_tokens: u64) -> Self {
+    /// `cached_tokens`: `None` when the engine does not report it.
+    pub fn new(prompt_tokens: u64, completion_tokens: u64, cached_tokens: Option<u64>) -> Self {
         Self {
             prompt_tokens,
             total_tokens: prompt_tokens + completion_tokens,
             completion_tokens,
-            prompt_tokens_details: PromptTokensDetails { cached_tokens },
+            prompt_tokens_details: cached_tokens
+                .map(|cached_tokens| PromptTokensDetails { cached_tokens }),
             kvroute_engine_ttft_us: None,
         }
     }
