@@ -708,7 +708,10 @@ mod tests {
         assert_eq!(engine.pool().in_use(), 0);
         let reports = drain(&mut engine, &requests);
         assert_eq!(first_admissions(&reports), vec![(1, 0)]);
-        assert!(engine.pool().cached_prefix_blocks(prompt) < 4, "evicted once released");
+        assert!(
+            engine.pool().cached_prefix_blocks(prompt) < 4,
+            "evicted once released"
+        );
 
         // A decode engine receiving a's prompt: the imported blocks are stored events, then hits.
         let mut decode = Engine::new(config(Some(64), 1024));
@@ -725,7 +728,11 @@ mod tests {
                 _ => Vec::new(),
             })
             .collect();
-        assert_eq!(&stored[..4], prompt, "the received blocks are published first");
+        assert_eq!(
+            &stored[..4],
+            prompt,
+            "the received blocks are published first"
+        );
     }
 
     #[test]

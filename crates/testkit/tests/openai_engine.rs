@@ -955,3 +955,6 @@ async fn metrics_reports_running_waiting_and_kv_usage_as_vllm_does() {
     request.abort();
     engine.kill();
 }
+
+#[path = "openai_engine/pd.rs"]
+mod pd;

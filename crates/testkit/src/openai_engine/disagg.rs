@@ -34,10 +34,10 @@
 //! other than those held, a room never prefilled, a prefill of another prompt — fails the
 //! request with a 4xx (502 when the prefill engine cannot be reached) whose message names it.
 
+use super::AppState;
 use super::engine_loop::Command;
 use super::http::read_body;
 use super::protocol::{ApiError, json_response, parse};
-use super::AppState;
 use crate::client::HttpClient;
 use axum::body::Body;
 use axum::extract::State;
@@ -271,11 +271,14 @@ fn vllm_leg(role: PdRole, params: Option<&Value>) -> Result<Leg, ApiError> {
                 ))),
             };
             let port = match params.get("remote_port") {
-                Some(v) => v.as_u64().and_then(|p| u16::try_from(p).ok()).ok_or_else(|| {
-                    ApiError::bad_request(format!(
-                        "kv_transfer_params.remote_port must be a port number, got {v}"
-                    ))
-                })?,
+                Some(v) => v
+                    .as_u64()
+                    .and_then(|p| u16::try_from(p).ok())
+                    .ok_or_else(|| {
+                        ApiError::bad_request(format!(
+                            "kv_transfer_params.remote_port must be a port number, got {v}"
+                        ))
+                    })?,
                 None => {
                     return Err(ApiError::bad_request(
                         "kv_transfer_params.remote_port is missing: copy the prefill answer's \
@@ -341,9 +344,12 @@ fn sglang_leg(state: &AppState, role: PdRole, fields: &PdFieldsIn) -> Result<Leg
     };
     let port = match fields.bootstrap_port.as_ref() {
         None | Some(Value::Null) => DEFAULT_BOOTSTRAP_PORT,
-        Some(v) => v.as_u64().and_then(|p| u16::try_from(p).ok()).ok_or_else(|| {
-            ApiError::bad_request(format!("bootstrap_port must be a port number, got {v}"))
-        })?,
+        Some(v) => v
+            .as_u64()
+            .and_then(|p| u16::try_from(p).ok())
+            .ok_or_else(|| {
+                ApiError::bad_request(format!("bootstrap_port must be a port number, got {v}"))
+            })?,
     };
     match role {
         PdRole::Prefill => match state.pd.bootstrap_port {
@@ -454,7 +460,10 @@ pub(crate) fn hold(state: &Arc<AppState>, key: TransferKey, hashes: Vec<u64>) ->
             }
         };
         if let Some(expired) = expired {
-            tracing::debug!(?key, "mock engine: held KV blocks released after the hold timeout");
+            tracing::debug!(
+                ?key,
+                "mock engine: held KV blocks released after the hold timeout"
+            );
             release(&state, expired.hashes);
         }
     });

@@ -54,10 +54,14 @@ pub(crate) struct Submission {
 /// stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Progress {
-    Admitted { cached_tokens: u64 },
+    Admitted {
+        cached_tokens: u64,
+    },
     Token,
     /// The leading `blocks` prompt blocks are held until released.
-    Held { blocks: usize },
+    Held {
+        blocks: usize,
+    },
     Finished,
 }
 
