@@ -41,7 +41,13 @@
 //! PUB socket stopped), [`MockEngine::set_unhealthy`], [`MockEngine::set_first_token_delay`],
 //! [`MockEngine::requests_served`], [`MockEngine::in_flight`], [`MockEngine::recent_requests`].
 //!
-//! Files: `engine_loop.rs` (the real-time loop and its KV events), `generate.rs` (the two
+//! ## Disaggregated prefill and decode
+//! With [`PdConfig`] of role `prefill` or `decode`, the engine is one leg of a P/D pair in
+//! vLLM's (`kv_transfer_params`) or SGLang's (bootstrap rooms) protocol: a prefill holds its
+//! prompt's blocks until a decode engine pulls them over HTTP (`disagg.rs` has the protocol).
+//!
+//! Files: `disagg.rs` (P/D legs, held blocks, the pull routes), `engine_loop.rs` (the real-time
+//! loop and its KV events), `generate.rs` (the two
 //! generation routes, streaming), `http.rs` (the other routes, the server and its connections),
 //! `protocol.rs` (the JSON), `tokenizer.rs`.
 
