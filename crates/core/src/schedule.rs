@@ -33,6 +33,20 @@
 //! a hot prefix gains holders as its demand grows, and as demand falls the holders' batches
 //! shrink and the existing holders win again.
 //!
+//! **Disaggregated prefill and decode** (SPEC §6.6) cost each leg on its own pool, by [`Leg`]:
+//! a prefill leg is a request with one output token (the same formula with `L = 1`: its time to
+//! first token and the stall it puts on the pool's other prefills); a decode leg computes no
+//! prompt, so its time to first token is the prefill queued on the rank (bypassed requests) plus
+//! the KV transfer of what the rank does not hold, and the rest is the decode terms:
+//! ```text
+//! ttft_d   = prefill_ms_per_token * active_prefill_tokens + transfer(isl_tokens - device_tokens)
+//!          + decode_step(n + 1, kv')
+//! cost_d   = prefill_load_scale * ttft_d + decode + decode_active_request_weight * n
+//! ```
+//! so a decode worker gets cache credit only for the blocks it really holds (less to move).
+//! Under `dynamo` a prefill leg costs the block cost and a decode leg
+//! `potential_decode_blocks + decode_active_request_weight * active_requests`.
+//!
 //! Temperature 0 picks the lowest cost, exact ties broken uniformly at random; temperature T > 0
 //! min-max normalises the costs to [0, 1] and samples with p ∝ exp(−cost / T). The random source
 //! is an argument, so tests and the simulator are deterministic.
@@ -47,6 +61,18 @@ use crate::speed::EngineSpeeds;
 use rand::Rng;
 use std::fmt;
 use std::str::FromStr;
+
+/// Which part of a request a pick is for (SPEC §6.6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Leg {
+    /// The whole request on one worker.
+    #[default]
+    Whole,
+    /// The prefill leg of a disaggregated request: the prompt and one output token.
+    Prefill,
+    /// The decode leg of a disaggregated request: the prompt's KV moved in, then the output.
+    Decode,
+}
 
 /// Which defaults the router starts from, and how it counts a prompt's effective prefill.
 ///
@@ -250,6 +276,51 @@ impl SchedulerConfig {
         }
     }
 
+    /// The cost of one candidate for one leg of a request (the module documentation).
+    pub fn leg_cost(&self, leg: Leg, c: &Candidate, isl_tokens: u64, block_size: u32) -> f64 {
+        match (leg, self.profile) {
+            (Leg::Whole, _) => self.cost(c, isl_tokens, block_size),
+            (Leg::Prefill, RouterProfile::Dynamo) => self.block_cost(c, isl_tokens, block_size),
+            (Leg::Prefill, RouterProfile::Kvroute) => {
+                let mut one_token = *c;
+                one_token.speeds.output_tokens = 1.0;
+                self.time_cost(&one_token, isl_tokens, block_size)
+            }
+            (Leg::Decode, RouterProfile::Dynamo) => {
+                c.potential_decode_blocks as f64
+                    + self.decode_active_request_weight * c.active_requests as f64
+            }
+            (Leg::Decode, RouterProfile::Kvroute) => {
+                self.decode_leg_cost(c, isl_tokens, block_size)
+            }
+        }
+    }
+
+    fn decode_leg_cost(&self, c: &Candidate, isl_tokens: u64, block_size: u32) -> f64 {
+        let s = &c.speeds;
+        let bs = f64::from(block_size.max(1));
+        let n = c.active_requests as f64;
+        let held = f64::from(c.device_blocks) * bs;
+        let (step_with, added_step) = self.decode_steps(c, bs);
+        let ttft = s.prefill_ms_per_token * c.active_prefill_tokens as f64
+            + s.transfer_ms(isl_tokens as f64 - held)
+            + step_with;
+        let output = s.output_tokens.max(0.0);
+        let decode = output * step_with + n * output * added_step;
+        self.prefill_load_scale * ttft + decode + self.decode_active_request_weight * n
+    }
+
+    /// One decode step on the rank with this request added, and what it adds to the step.
+    fn decode_steps(&self, c: &Candidate, bs: f64) -> (f64, f64) {
+        let s = &c.speeds;
+        let n = c.active_requests as f64;
+        let kv_before = c.active_decode_blocks as f64 * bs;
+        let kv_after = c.potential_decode_blocks as f64 * bs;
+        let step_with = s.decode_step_ms(n + 1.0, kv_after);
+        let added_step = (step_with - s.decode_step_ms(n, kv_before)).max(0.0);
+        (step_with, added_step)
+    }
+
     fn block_cost(&self, c: &Candidate, isl_tokens: u64, block_size: u32) -> f64 {
         let block_size = f64::from(block_size.max(1));
         let prefill_blocks = (c.active_prefill_tokens as f64 + isl_tokens as f64) / block_size;
@@ -308,10 +379,7 @@ impl SchedulerConfig {
         );
         let ttft = s.prefill_ms_per_token * c.active_prefill_tokens as f64 + own_prefill;
         let stall = n * own_prefill;
-        let kv_before = c.active_decode_blocks as f64 * bs;
-        let kv_after = c.potential_decode_blocks as f64 * bs;
-        let step_with = s.decode_step_ms(n + 1.0, kv_after);
-        let added_step = (step_with - s.decode_step_ms(n, kv_before)).max(0.0);
+        let (step_with, added_step) = self.decode_steps(c, bs);
         let decode = output * step_with + n * output * added_step;
         self.prefill_load_scale * ttft + stall + decode + self.decode_active_request_weight * n
     }

@@ -16,6 +16,7 @@
 //! | `catalog.rs` | workers and partitions: upsert, delete, lists, readiness, block sizes |
 //! | `events.rs` | engines' KV events and the approximate cache models of ranks without them |
 //! | `select.rs` | candidates, scoring and the pick: `select`, `select_and_reserve` |
+//! | `disagg.rs` | disaggregated prefill/decode: a prefill and a decode pick, or a bypass |
 //! | `constraints.rs` | a request's required taints (a filter) and preferred taints (a cost factor) |
 //! | `reservations.rs` | bookings and their lifecycle calls ([`LifecycleCalls`]) |
 //! | `inspect.rs` | read-only views: `/loads`, `/potential_loads`, `/overlap_scores`, `/dump` |
@@ -61,6 +62,7 @@ use std::time::{Duration, Instant};
 
 mod catalog;
 mod constraints;
+mod disagg;
 mod engine_load;
 mod events;
 mod inspect;
@@ -73,6 +75,7 @@ mod types;
 
 pub use catalog::check_zmq_endpoint;
 pub use constraints::RoutingConstraints;
+pub use disagg::{DECODE_LEG_SUFFIX, PREFILL_LEG_SUFFIX};
 pub use engine_load::{DEFAULT_ENGINE_LOAD_MAX_AGE, EngineLoad};
 pub use predict::{
     DEFAULT_MAX_PREDICTED_BLOCKS, DEFAULT_PREDICTED_TTL, PredictConfig, PredictionCounters,
@@ -86,6 +89,10 @@ pub use sync::{BookingOwner, ReplicaSpread, SyncApplyError, SyncApplyOutcome, Sy
 pub use types::*;
 // Defined beside the queue threshold that reads it, so `admission` needs nothing from here.
 pub use crate::admission::UNKNOWN_PREFILL_CAPACITY;
+
+/// The default [`SelectorConfig::pd_bypass_tokens`]: llm-d's threshold for skipping the prefill
+/// worker.
+pub const DEFAULT_PD_BYPASS_TOKENS: u64 = 8;
 
 /// Everything the selector can be configured with. `Default` is the default
 /// [`RouterProfile`]'s configuration, the one every edge starts from.
@@ -114,6 +121,9 @@ pub struct SelectorConfig {
     /// An engine's load report (`engine_load.rs`) corrects the booked load while at most this
     /// old; older ones are ignored.
     pub engine_load_max_age: Duration,
+    /// A disaggregated request whose best decode/both worker lacks at most this many of its
+    /// prompt's tokens runs there whole, without a prefill worker (`disagg.rs`).
+    pub pd_bypass_tokens: u64,
 }
 
 impl Default for SelectorConfig {
@@ -130,6 +140,7 @@ impl Default for SelectorConfig {
             sessions: SessionConfig::default(),
             queue_threshold: None,
             engine_load_max_age: engine_load::DEFAULT_ENGINE_LOAD_MAX_AGE,
+            pd_bypass_tokens: DEFAULT_PD_BYPASS_TOKENS,
         }
     }
 }

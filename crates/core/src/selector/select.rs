@@ -1,5 +1,7 @@
 //! Selection: the candidates of a partition with their overlap and load, the cost of each, and
 //! the pick (SPEC §6); `select` caches what a replay will book, `select_and_reserve` books.
+//! Their disaggregated variants, `select_disaggregated` and `select_and_reserve_disaggregated`,
+//! pick each leg here (`Leg`) and live in `disagg.rs`.
 
 use super::*;
 use crate::error::check_id;
@@ -8,7 +10,7 @@ use crate::hash::PromptHashes;
 use crate::index::RankOverlap;
 use crate::load::Booking;
 use crate::pending::PendingKey;
-use crate::schedule::{Candidate, RouterProfile, pick};
+use crate::schedule::{Candidate, Leg, RouterProfile, pick};
 use crate::selector::sessions;
 use std::sync::Arc;
 
@@ -77,12 +79,15 @@ impl Selector {
         out
     }
 
-    /// The workers a request may go to: its pinned worker, else its allowed ones, less those
-    /// its required taints exclude.
-    fn eligible<'w>(
+    /// The workers a request may go to for `leg` (prefill workers take prefill legs only, the
+    /// others whole requests and decode legs): its pinned worker, else its allowed ones, less
+    /// those its required taints exclude.
+    pub(super) fn eligible<'w>(
         req: &SelectRequest<'_>,
-        workers: Vec<&'w WorkerRecord>,
+        mut workers: Vec<&'w WorkerRecord>,
+        leg: Leg,
     ) -> Result<Vec<&'w WorkerRecord>, Error> {
+        workers.retain(|r| (r.spec.role == WorkerRole::Prefill) == (leg == Leg::Prefill));
         let mut eligible: Vec<&WorkerRecord> = match (req.pinned_worker, req.allowed_worker_ids) {
             (Some(pin), _) => workers
                 .into_iter()
@@ -142,7 +147,7 @@ impl Selector {
         let (p, workers) = self.schedulable_workers(req.partition)?;
         let block_size = workers.first().and_then(|r| r.spec.block_size).unwrap_or(1);
         let hashes = req.prompt.hash(block_size)?;
-        let eligible = Self::eligible(req, workers)?;
+        let eligible = Self::eligible(req, workers, Leg::Whole)?;
         let overlaps = Self::overlaps(p, &hashes);
         // Engines' reports change no prefill tokens, the only load the queue reads.
         let candidates =
@@ -172,11 +177,14 @@ impl Selector {
         Overlaps(ranks)
     }
 
+    /// Picks a rank for `leg` of the request (SPEC §6; §6.6 for the legs of a disaggregated
+    /// one).
     pub(super) fn compute_selection(
         &self,
         req: &SelectRequest<'_>,
         now: Instant,
         rng: &mut impl Rng,
+        leg: Leg,
     ) -> Result<Selection, Error> {
         self.check_running()?;
         if let Some(id) = req.selection_id {
@@ -188,7 +196,7 @@ impl Selector {
         let hashes = req.prompt.hash(block_size)?;
         let config = self.config.scheduler.with(&req.overrides);
 
-        let eligible = Self::eligible(req, workers)?;
+        let eligible = Self::eligible(req, workers, leg)?;
         let overlaps = Self::overlaps(p, &hashes);
         let candidates =
             self.eligible_candidates(req, &eligible, &overlaps, &hashes, block_size, Some(now));
@@ -219,7 +227,7 @@ impl Selector {
                 .iter()
                 .map(|&i| {
                     let (candidate, record) = &candidates[i];
-                    config.cost(candidate, hashes.isl_tokens, block_size)
+                    config.leg_cost(leg, candidate, hashes.isl_tokens, block_size)
                         * constraints::cost_multiplier(req.routing_constraints, record)
                 })
                 .collect();
@@ -260,6 +268,20 @@ impl Selector {
                 .unwrap_or(UNKNOWN_PREFILL_CAPACITY),
             total_kv_blocks: record.spec.total_kv_blocks,
         });
+        // A decode leg computes no prompt: its KV arrives from the prefill worker.
+        let (effective_prefill_tokens, track_prefill_tokens) = match leg {
+            Leg::Decode => (0, false),
+            Leg::Whole | Leg::Prefill => (
+                config.effective_prefill_tokens(
+                    hashes.isl_tokens,
+                    block_size,
+                    candidate.device_blocks,
+                    candidate.host_blocks,
+                    candidate.disk_blocks,
+                ),
+                config.track_prefill_tokens,
+            ),
+        };
         Ok(Selection {
             selection_id: req.selection_id.map(str::to_string),
             partition: req.partition.clone(),
@@ -275,16 +297,10 @@ impl Selector {
                 dp,
             },
             best_gpu_overlap: u64::from(best_device_blocks) * bs,
-            effective_prefill_tokens: config.effective_prefill_tokens(
-                hashes.isl_tokens,
-                block_size,
-                candidate.device_blocks,
-                candidate.host_blocks,
-                candidate.disk_blocks,
-            ),
+            effective_prefill_tokens,
             potential_decode_blocks: candidate.potential_decode_blocks,
             worker_load,
-            track_prefill_tokens: config.track_prefill_tokens,
+            track_prefill_tokens,
             local_hashes: Arc::from(hashes.local.as_slice()),
             sequence_hashes: Arc::from(hashes.sequence.as_slice()),
             isl_tokens: hashes.isl_tokens,
@@ -300,7 +316,18 @@ impl Selector {
         now: Instant,
         rng: &mut impl Rng,
     ) -> Result<Selection, Error> {
-        let selection = self.compute_selection(req, now, rng)?;
+        let selection = self.compute_selection(req, now, rng, Leg::Whole)?;
+        self.cache_selection(req, &selection, now);
+        Ok(selection)
+    }
+
+    /// Keeps what a replay of `req.selection_id` will book (nothing without an id).
+    pub(super) fn cache_selection(
+        &self,
+        req: &SelectRequest<'_>,
+        selection: &Selection,
+        now: Instant,
+    ) {
         if let Some(id) = req.selection_id {
             let key = PendingKey::new(&req.partition.model_name, &req.partition.routing_group, id);
             // Local and sequence hashes are both kept.
@@ -321,7 +348,6 @@ impl Selector {
             };
             self.pending().insert(key, Arc::new(entry), bytes, now);
         }
-        Ok(selection)
     }
 
     /// `POST /select_and_reserve`: selects and books atomically under `reservation_id` (or the
@@ -344,12 +370,24 @@ impl Selector {
         }
         // Due predictions go and queued ones are recorded before the pick sees the index.
         self.expire_predictions(now);
-        let mut selection = self.compute_selection(req, now, rng)?;
-        self.refuse_session_conflict(selection.session.as_ref(), selection.worker_id)?;
+        let selection = self.compute_selection(req, now, rng, Leg::Whole)?;
         let id = reservation_id
             .or(req.selection_id)
             .map(str::to_string)
             .unwrap_or_else(|| random_uuid(rng));
+        self.book_selection(req, selection, id, now)
+    }
+
+    /// Books a computed selection under `id`: its load, its session, its cache model and its
+    /// predicted blocks.
+    pub(super) fn book_selection(
+        &mut self,
+        req: &SelectRequest<'_>,
+        mut selection: Selection,
+        id: String,
+        now: Instant,
+    ) -> Result<(Selection, Reservation), Error> {
+        self.refuse_session_conflict(selection.session.as_ref(), selection.worker_id)?;
         exclusive(&mut self.load).book(
             Booking {
                 reservation_id: id.clone(),

@@ -975,6 +975,7 @@ fn load_state(s: &Selector) -> LoadState {
 
 mod constraints;
 mod decisions;
+mod disagg;
 mod engine_load;
 mod predict;
 mod sessions;

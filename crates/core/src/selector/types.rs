@@ -38,6 +38,48 @@ pub struct WorkerSpec {
     pub kv_transfer_domain: Option<String>,
     pub kv_transfer_enforcement: Option<KvTransferEnforcement>,
     pub kv_transfer_preferred_weight: Option<f32>,
+    /// What the worker runs in a disaggregated fleet (SPEC §6.6): whole requests (`both`, the
+    /// default), prefill legs or decode legs.
+    pub role: WorkerRole,
+    /// An SGLang prefill worker's bootstrap server port, handed to the caller with a prefill
+    /// pick so it can tell the decode worker where to fetch the KV from.
+    pub bootstrap_port: Option<u16>,
+}
+
+/// A worker's part in disaggregated prefill/decode (SPEC §6.6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub enum WorkerRole {
+    /// Runs whole requests, and decode legs.
+    #[default]
+    Both,
+    /// Runs prefill legs only: never picked for a whole request.
+    Prefill,
+    /// Runs decode legs, and whole requests (a bypass, or a plain select).
+    Decode,
+}
+
+impl WorkerRole {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WorkerRole::Both => "both",
+            WorkerRole::Prefill => "prefill",
+            WorkerRole::Decode => "decode",
+        }
+    }
+}
+
+impl std::str::FromStr for WorkerRole {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "both" => Ok(WorkerRole::Both),
+            "prefill" => Ok(WorkerRole::Prefill),
+            "decode" => Ok(WorkerRole::Decode),
+            other => Err(format!(
+                "role must be `both`, `prefill` or `decode`, not `{other}`"
+            )),
+        }
+    }
 }
 
 /// Whether a KV transfer must stay within the worker's `kv_transfer_domain` or only prefers to.
@@ -246,6 +288,43 @@ pub struct WorkerLoad {
     pub active_prefill_tokens: u64,
     pub prefill_token_capacity: u64,
     pub total_kv_blocks: Option<u64>,
+}
+
+/// Why a disaggregated select runs the request on one worker instead of a prefill/decode pair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PdBypass {
+    /// The picked decode/both worker already holds all but `pd_bypass_tokens` of the prompt.
+    SmallUncached,
+    /// Every prefill rank the request may go to is busy.
+    PrefillSaturated,
+    /// The partition has no schedulable prefill worker the request may go to.
+    NoPrefillWorkers,
+}
+
+impl PdBypass {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PdBypass::SmallUncached => "small_uncached",
+            PdBypass::PrefillSaturated => "prefill_saturated",
+            PdBypass::NoPrefillWorkers => "no_prefill_workers",
+        }
+    }
+}
+
+/// The answer of a disaggregated select: a prefill and a decode pick, or (with a bypass) one
+/// whole-request pick in `decode`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DisaggSelection {
+    pub prefill: Option<Selection>,
+    pub decode: Selection,
+    pub bypass: Option<PdBypass>,
+}
+
+/// The bookings of a disaggregated `select_and_reserve`, one per leg.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DisaggReservation {
+    pub prefill: Option<Reservation>,
+    pub decode: Reservation,
 }
 
 /// The answer of `select`.
