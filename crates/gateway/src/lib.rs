@@ -43,6 +43,7 @@
 //! | [`proxy`] | the response body that drives and frees the booking |
 //! | [`gateway`] | `Gateway`: the state every request reads; the background tasks |
 //! | [`upstream`] | booking, dispatch, retries, the answer's head |
+//! | [`pd`] | disaggregated prefill and decode: both legs' bookings and bodies (`--pd-protocol`) |
 //! | [`routes`] | the axum routes and handlers |
 #![forbid(unsafe_code)]
 
@@ -55,6 +56,7 @@ pub mod gateway;
 pub mod health;
 pub mod metrics;
 pub mod openai;
+pub mod pd;
 pub mod policy;
 pub mod proxy;
 pub mod routes;

@@ -22,6 +22,11 @@
 //! url = "http://10.0.0.2:8000"
 //! model = "qwen"                       # optional, per worker
 //! worker_id = 7                        # optional
+//!
+//! [[workers]]
+//! url = "http://10.0.0.3:8000"
+//! role = "prefill"                     # optional: both (default), prefill or decode
+//! bootstrap_port = 8998                # optional: an SGLang prefill worker's bootstrap server
 //! ```
 //!
 //! The file is read at start (an error stops the gateway) and polled every
@@ -30,7 +35,8 @@
 
 use crate::booking::ServiceLink;
 use crate::health::HealthHandle;
-use kvroute_service::types::WorkerBody;
+use kvroute_core::selector::WorkerRole;
+use kvroute_service::types::{RoleBody, WorkerBody};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -47,6 +53,10 @@ pub struct WorkerEntry {
     /// The engine's `--max-num-batched-tokens` (the admission queue's capacity; required with
     /// `--queue-threshold`).
     pub max_num_batched_tokens: Option<u64>,
+    /// Its part in disaggregated serving (`--prefill`, `--decode`, the file's `role`).
+    pub role: WorkerRole,
+    /// An SGLang prefill worker's bootstrap server port.
+    pub bootstrap_port: Option<u16>,
 }
 
 impl WorkerEntry {
@@ -58,6 +68,12 @@ impl WorkerEntry {
             block_size: Some(self.block_size),
             kv_events_endpoint: self.kv_events.clone(),
             max_num_batched_tokens: self.max_num_batched_tokens,
+            role: Some(match self.role {
+                WorkerRole::Both => RoleBody::Both,
+                WorkerRole::Prefill => RoleBody::Prefill,
+                WorkerRole::Decode => RoleBody::Decode,
+            }),
+            bootstrap_port: self.bootstrap_port,
             ..WorkerBody::default()
         }
     }
@@ -109,6 +125,36 @@ pub fn parse_worker_flag(raw: &str, model: &str, block_size: u32) -> Result<Work
         model: model.to_string(),
         block_size,
         max_num_batched_tokens: None,
+        role: WorkerRole::Both,
+        bootstrap_port: None,
+    })
+}
+
+/// `--prefill` / `--decode`: `--worker`'s syntax, then `@PORT` for an SGLang prefill worker's
+/// bootstrap port (`URL[=tcp://HOST:PORT][@BOOTSTRAP_PORT]`).
+pub fn parse_role_flag(
+    raw: &str,
+    role: WorkerRole,
+    model: &str,
+    block_size: u32,
+) -> Result<WorkerEntry, String> {
+    let (rest, bootstrap_port) = match raw.rsplit_once('@') {
+        Some((rest, port)) if !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()) => {
+            let port =
+                port.parse::<u16>().ok().filter(|&p| p > 0).ok_or_else(|| {
+                    format!("bootstrap port `{port}` is not a port from 1 to 65535")
+                })?;
+            (rest, Some(port))
+        }
+        _ => (raw, None),
+    };
+    if bootstrap_port.is_some() && role != WorkerRole::Prefill {
+        return Err("only a prefill worker has a bootstrap port (`@PORT`)".to_string());
+    }
+    Ok(WorkerEntry {
+        role,
+        bootstrap_port,
+        ..parse_worker_flag(rest, model, block_size)?
     })
 }
 
@@ -131,6 +177,8 @@ struct FileWorker {
     block_size: Option<u32>,
     max_num_batched_tokens: Option<u64>,
     worker_id: Option<u64>,
+    role: Option<String>,
+    bootstrap_port: Option<u16>,
 }
 
 /// Parses a workers file; `model`, `block_size` and `max_num_batched_tokens` default to the
@@ -160,6 +208,13 @@ pub fn parse_workers_file(
                 .map(check_events)
                 .transpose()
                 .map_err(at)?;
+            let role = match w.role.as_deref() {
+                Some(role) => role.parse::<WorkerRole>().map_err(at)?,
+                None => WorkerRole::Both,
+            };
+            if w.bootstrap_port.is_some() && role != WorkerRole::Prefill {
+                return Err(at("bootstrap_port is for prefill workers only".to_string()));
+            }
             let entry = WorkerEntry {
                 worker_id: w.worker_id.unwrap_or_else(|| worker_id_for(&url)),
                 url,
@@ -167,6 +222,8 @@ pub fn parse_workers_file(
                 model: w.model.unwrap_or_else(|| model.clone()),
                 block_size: w.block_size.unwrap_or(block_size),
                 max_num_batched_tokens: w.max_num_batched_tokens.or(max_num_batched_tokens),
+                role,
+                bootstrap_port: w.bootstrap_port,
             };
             if entry.block_size == 0 {
                 return Err(at("block_size must be at least 1".to_string()));
@@ -319,6 +376,24 @@ mod tests {
     }
 
     #[test]
+    fn role_flags_take_a_bootstrap_port_after_an_at() {
+        let w =
+            parse_role_flag("http://h:1=tcp://h:5557@8998", WorkerRole::Prefill, "m", 16).unwrap();
+        assert_eq!(
+            (w.url.as_str(), w.kv_events.as_deref(), w.bootstrap_port),
+            ("http://h:1", Some("tcp://h:5557"), Some(8998))
+        );
+        assert_eq!(w.role, WorkerRole::Prefill);
+        assert_eq!(w.worker_id, worker_id_for("http://h:1"));
+        let w = parse_role_flag("http://h:2@9000", WorkerRole::Prefill, "m", 16).unwrap();
+        assert_eq!((w.kv_events, w.bootstrap_port), (None, Some(9000)));
+        let w = parse_role_flag("http://h:2", WorkerRole::Decode, "m", 16).unwrap();
+        assert_eq!((w.role, w.bootstrap_port), (WorkerRole::Decode, None));
+        assert!(parse_role_flag("http://h:2@9000", WorkerRole::Decode, "m", 16).is_err());
+        assert!(parse_role_flag("http://h:2@70000", WorkerRole::Prefill, "m", 16).is_err());
+    }
+
+    #[test]
     fn the_file_gives_defaults_and_refuses_mistakes() {
         let text = r#"
             model = "llama"
@@ -352,5 +427,22 @@ mod tests {
                 .contains("workers[1]")
         );
         assert!(parse_workers_file("", "m", 1, None).unwrap().is_empty());
+        let roles = "[[workers]]\nurl = \"http://a\"\nrole = \"prefill\"\nbootstrap_port = 8998\n\
+                     [[workers]]\nurl = \"http://b\"\nrole = \"decode\"";
+        let workers = parse_workers_file(roles, "m", 16, None).unwrap();
+        assert_eq!(
+            (workers[0].role, workers[0].bootstrap_port),
+            (WorkerRole::Prefill, Some(8998))
+        );
+        assert_eq!(workers[1].role, WorkerRole::Decode);
+        let bad_role = "[[workers]]\nurl = \"http://a\"\nrole = \"prefil\"";
+        assert!(
+            parse_workers_file(bad_role, "m", 16, None)
+                .unwrap_err()
+                .contains("role")
+        );
+        let port_on_decode =
+            "[[workers]]\nurl = \"http://a\"\nrole = \"decode\"\nbootstrap_port = 1";
+        assert!(parse_workers_file(port_on_decode, "m", 16, None).is_err());
     }
 }
