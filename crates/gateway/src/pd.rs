@@ -78,7 +78,8 @@ pub async fn dispatch(
     let PdBooked {
         prefill, decode, ..
     } = booked;
-    match (prefill, protocol) {
+    let prefill_worker = prefill.as_ref().map(|p| p.booking.worker_id);
+    let mut response = match (prefill, protocol) {
         (None, _) => send_decode(gateway, &out, decode, out.body.clone(), &request_id).await,
         (Some(prefill), PdProtocol::Vllm) => {
             let params = vllm_prefill(gateway, &out, prefill, &client_body, &request_id).await?;
@@ -88,7 +89,16 @@ pub async fn dispatch(
         (Some(prefill), PdProtocol::Sglang) => {
             sglang(gateway, &out, prefill, decode, &client_body, &request_id).await
         }
+    }?;
+    // `x-kvroute-worker-id` names the decode worker (or a bypass's); this one the prefill's.
+    if let Some(id) = prefill_worker
+        && let Ok(value) = HeaderValue::from_str(&id.to_string())
+    {
+        response
+            .headers_mut()
+            .insert("x-kvroute-prefill-worker-id", value);
     }
+    Ok(response)
 }
 
 /// A request id for both legs: unique per gateway and request.

@@ -5,6 +5,8 @@
 //! - [`failures`]: retries to the next worker, circuit breakers, 503 and 429 answers.
 //! - [`front`]: chat templates, remote tokenization, the workers file, API keys, `/v1/models`.
 //! - [`engine`]: the whole path against the mock OpenAI engine, its KV events included.
+//! - [`pd`]: disaggregated prefill and decode, both protocols, against mock P/D engines and
+//!   recording upstreams.
 //! - [`common`]: the gateway in process, a small vLLM-shaped upstream, the client.
 
 // Test helpers outside #[test] functions may unwrap: a failure there is a failed test.
@@ -15,3 +17,4 @@ mod engine;
 mod failures;
 mod front;
 mod lifecycle;
+mod pd;
