@@ -33,7 +33,7 @@
 //! a hot prefix gains holders as its demand grows, and as demand falls the holders' batches
 //! shrink and the existing holders win again.
 //!
-//! **Disaggregated prefill and decode** (SPEC §6.6) cost each leg on its own pool, by [`Leg`]:
+//! **Disaggregated prefill and decode** (SPEC §6.1) cost each leg on its own pool, by [`Leg`]:
 //! a prefill leg is a request with one output token (the same formula with `L = 1`: its time to
 //! first token and the stall it puts on the pool's other prefills); a decode leg computes no
 //! prompt, so its time to first token is the prefill queued on the rank (bypassed requests) plus
@@ -62,7 +62,7 @@ use rand::Rng;
 use std::fmt;
 use std::str::FromStr;
 
-/// Which part of a request a pick is for (SPEC §6.6).
+/// Which part of a request a pick is for (SPEC §6.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Leg {
     /// The whole request on one worker.

@@ -6,7 +6,7 @@ use kvroute_core::selector::{
     OverlapScores, PartitionDump, PartitionLoads, RankLoadReport, ReadyState, Reservation,
     Selection, WorkerRecord,
 };
-use kvroute_service::api::Booked;
+use kvroute_service::api::{Booked, DisaggSelected};
 use kvroute_service::http::render as http;
 use serde_json::Value;
 
@@ -28,6 +28,10 @@ pub fn selection(selection: &Selection) -> Value {
 
 pub fn booked(booked: &Booked) -> Value {
     http::booked(booked)
+}
+
+pub fn disaggregated(selected: &DisaggSelected) -> Value {
+    http::disaggregated(selected)
 }
 
 pub fn reservation(reservation: &Reservation) -> Value {

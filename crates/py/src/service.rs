@@ -639,7 +639,8 @@ impl SelectionService {
 
     /// Choose a worker and rank for a prompt (dict like ``POST /select``); books nothing. With
     /// ``selection_id`` the booking inputs are cached so ``create_reservation({"selection_id":
-    /// ...})`` can book them without the prompt.
+    /// ...})`` can book them without the prompt. With ``"disaggregated": True`` the reply is
+    /// ``{"disaggregated", "bypass", "prefill", "decode"}``, a pick per leg (never queued).
     #[pyo3(signature = (request, *, tenant=None))]
     fn select<'py>(
         &self,
@@ -648,6 +649,11 @@ impl SelectionService {
         tenant: Option<String>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let body: SelectBody = convert::prompt_body(request, "request")?;
+        if body.disaggregated {
+            return self.core.call(py, Access::Read, move |service| {
+                Reply::rendered(service.select_disaggregated(body), render::disaggregated)
+            });
+        }
         self.core.admit(
             py,
             Access::Read,
@@ -669,6 +675,14 @@ impl SelectionService {
         tenant: Option<String>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let body: SelectBody = convert::prompt_body(request, "request")?;
+        if body.disaggregated {
+            return self.core.call(py, Access::Write, move |service| {
+                Reply::rendered(
+                    service.select_and_reserve_disaggregated(body),
+                    render::disaggregated,
+                )
+            });
+        }
         self.core.admit(
             py,
             Access::Write,

@@ -229,6 +229,12 @@ pub struct ServeConfig {
     #[arg(long, env = "KVROUTE_ENGINE_METRICS_POLL_MS")]
     pub engine_metrics_poll_ms: Option<u64>,
 
+    /// A disaggregated select (`"disaggregated": true`) runs the request whole on its best
+    /// decode (or both) worker, without a prefill worker, when that worker lacks at most this
+    /// many of the prompt's tokens (SPEC §6.1).
+    #[arg(long, env = "KVROUTE_PD_BYPASS_TOKENS", default_value_t = kvroute_core::selector::DEFAULT_PD_BYPASS_TOKENS)]
+    pub pd_bypass_tokens: u64,
+
     /// Replica sync over NATS (SPEC §10).
     #[command(flatten)]
     pub sync: crate::sync::SyncConfig,
@@ -400,6 +406,7 @@ impl ServeConfig {
             approximate_cache_policy: ApproximatePolicy::Ttl,
             ingest_nice: 10,
             engine_metrics_poll_ms: None,
+            pd_bypass_tokens: kvroute_core::selector::DEFAULT_PD_BYPASS_TOKENS,
             sync: crate::sync::SyncConfig::default(),
         }
     }
@@ -556,6 +563,7 @@ impl ServeConfig {
                 .map_or(DEFAULT_ENGINE_LOAD_MAX_AGE, |every| {
                     DEFAULT_ENGINE_LOAD_MAX_AGE.max(2 * every)
                 }),
+            pd_bypass_tokens: self.pd_bypass_tokens,
         })
     }
 

@@ -4,7 +4,9 @@
 use kvroute_core::error::{Error, PartitionKey, check_id};
 use kvroute_core::hash::{BlockExtras, BlockMmInfo, MmObject, PromptHashes};
 use kvroute_core::schedule::Overrides;
-use kvroute_core::selector::{KvTransferEnforcement, PinnedWorker, WorkerRecord, WorkerSpec};
+use kvroute_core::selector::{
+    KvTransferEnforcement, PinnedWorker, WorkerRecord, WorkerRole, WorkerSpec,
+};
 use serde::{Deserialize, Deserializer};
 use serde_json::{Value, json};
 use std::collections::{BTreeMap, BTreeSet};
@@ -418,6 +420,9 @@ pub struct SelectBody {
     /// The longest this request may wait in the admission queue, in milliseconds (kvroute's;
     /// default `--queue-timeout-ms`).
     pub queue_timeout_ms: Option<u64>,
+    /// Pick a prefill and a decode worker (SPEC §6.1; kvroute's field).
+    #[serde(default)]
+    pub disaggregated: bool,
 }
 
 impl SelectBody {
@@ -548,6 +553,29 @@ pub struct WorkerBody {
     pub kv_transfer_domain: Option<String>,
     pub kv_transfer_enforcement: Option<EnforcementBody>,
     pub kv_transfer_preferred_weight: Option<f32>,
+    /// `both` (default), `prefill` or `decode` (SPEC §6.1; kvroute's field).
+    pub role: Option<RoleBody>,
+    /// An SGLang prefill worker's bootstrap server port (kvroute's field).
+    pub bootstrap_port: Option<u16>,
+}
+
+/// `role`.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RoleBody {
+    Both,
+    Prefill,
+    Decode,
+}
+
+impl From<RoleBody> for WorkerRole {
+    fn from(r: RoleBody) -> Self {
+        match r {
+            RoleBody::Both => WorkerRole::Both,
+            RoleBody::Prefill => WorkerRole::Prefill,
+            RoleBody::Decode => WorkerRole::Decode,
+        }
+    }
 }
 
 /// `kv_transfer_enforcement`.
@@ -614,6 +642,8 @@ impl WorkerBody {
             kv_transfer_domain: self.kv_transfer_domain,
             kv_transfer_enforcement: self.kv_transfer_enforcement.map(Into::into),
             kv_transfer_preferred_weight: self.kv_transfer_preferred_weight,
+            role: self.role.map(Into::into).unwrap_or_default(),
+            bootstrap_port: self.bootstrap_port,
         })
     }
 
@@ -635,8 +665,12 @@ impl WorkerBody {
             kv_events_endpoint,
             replay_endpoint,
             kv_transfer_domain,
-            kv_transfer_preferred_weight
+            kv_transfer_preferred_weight,
+            bootstrap_port
         );
+        if let Some(role) = self.role {
+            spec.role = role.into();
+        }
         if let Some(taints) = self.taints {
             spec.taints = taints;
         }
@@ -689,6 +723,13 @@ pub fn worker_json(record: &WorkerRecord) -> Value {
                 .map(|(k, a)| (k.to_string(), a))
                 .collect();
             obj.insert("kv_events_endpoints".into(), json!(map));
+        }
+        // Only when not the defaults: Dynamo's record has neither field.
+        if s.role != WorkerRole::Both {
+            obj.insert("role".into(), json!(s.role.as_str()));
+        }
+        if let Some(port) = s.bootstrap_port {
+            obj.insert("bootstrap_port".into(), json!(port));
         }
         if !record.not_schedulable_reasons.is_empty() {
             obj.insert(

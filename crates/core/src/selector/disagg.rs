@@ -1,4 +1,4 @@
-//! Disaggregated prefill and decode (SPEC §6.6): one call picks a prefill worker and a decode
+//! Disaggregated prefill and decode (SPEC §6.1): one call picks a prefill worker and a decode
 //! worker for a request, each costed for its leg (`crate::schedule::Leg`), or — a bypass — one
 //! worker that runs the whole request. `select_disaggregated` caches each leg for a replay
 //! (`<id>.prefill`, `<id>.decode`); `select_and_reserve_disaggregated` books both legs, or

@@ -177,7 +177,7 @@ impl Selector {
         Overlaps(ranks)
     }
 
-    /// Picks a rank for `leg` of the request (SPEC §6; §6.6 for the legs of a disaggregated
+    /// Picks a rank for `leg` of the request (SPEC §6; §6.1 for the legs of a disaggregated
     /// one).
     pub(super) fn compute_selection(
         &self,
@@ -288,6 +288,7 @@ impl Selector {
             worker_id: record.spec.worker_id,
             dp_rank: candidate.rank.dp_rank,
             endpoint: record.spec.endpoint.clone().unwrap_or_default(),
+            bootstrap_port: record.spec.bootstrap_port,
             block_size,
             overlap: OverlapTokens {
                 longest_matched: u64::from(candidate.disk_blocks) * bs,

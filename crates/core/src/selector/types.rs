@@ -38,7 +38,7 @@ pub struct WorkerSpec {
     pub kv_transfer_domain: Option<String>,
     pub kv_transfer_enforcement: Option<KvTransferEnforcement>,
     pub kv_transfer_preferred_weight: Option<f32>,
-    /// What the worker runs in a disaggregated fleet (SPEC §6.6): whole requests (`both`, the
+    /// What the worker runs in a disaggregated fleet (SPEC §6.1): whole requests (`both`, the
     /// default), prefill legs or decode legs.
     pub role: WorkerRole,
     /// An SGLang prefill worker's bootstrap server port, handed to the caller with a prefill
@@ -46,7 +46,7 @@ pub struct WorkerSpec {
     pub bootstrap_port: Option<u16>,
 }
 
-/// A worker's part in disaggregated prefill/decode (SPEC §6.6).
+/// A worker's part in disaggregated prefill/decode (SPEC §6.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
 pub enum WorkerRole {
     /// Runs whole requests, and decode legs.
@@ -335,6 +335,9 @@ pub struct Selection {
     pub worker_id: WorkerId,
     pub dp_rank: u32,
     pub endpoint: String,
+    /// The worker's SGLang bootstrap port, if it registered one (a prefill pick's caller hands
+    /// it to the decode worker).
+    pub bootstrap_port: Option<u16>,
     pub block_size: u32,
     pub overlap: OverlapTokens,
     /// The largest device overlap, in tokens, any candidate rank held at this selection

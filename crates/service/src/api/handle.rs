@@ -2,7 +2,7 @@
 //! method is one operation with a typed result; nothing is read back from JSON, and the
 //! service's state stays private behind it.
 
-use super::{Admission, Booked};
+use super::{Admission, Booked, DisaggSelected};
 use crate::error::ApiError;
 use crate::state::AppState;
 use crate::types::{PromptRouteBody, ReservationBody, SelectBody, WorkerBody};
@@ -74,6 +74,21 @@ impl Service {
     /// waiter leaves it, and frees a booking made meanwhile).
     pub fn select_and_reserve(&self, body: SelectBody, tenant: Option<&str>) -> Admission<Booked> {
         super::select_and_reserve(&self.state, body, tenant)
+    }
+
+    /// A prefill and a decode worker for the prompt, or one for the whole of it (a bypass),
+    /// booking nothing (SPEC §6.1). Decided at once, never queued.
+    pub fn select_disaggregated(&self, body: SelectBody) -> Result<DisaggSelected, ApiError> {
+        super::select_disaggregated(&self.state, body)
+    }
+
+    /// Both legs picked and booked (`<id>.prefill`, `<id>.decode`), or neither. Free the
+    /// prefill leg's booking when that leg returns, the decode leg's when its stream ends.
+    pub fn select_and_reserve_disaggregated(
+        &self,
+        body: SelectBody,
+    ) -> Result<DisaggSelected, ApiError> {
+        super::select_and_reserve_disaggregated(&self.state, body)
     }
 
     pub fn create_reservation(&self, body: ReservationBody) -> Result<Reservation, ApiError> {

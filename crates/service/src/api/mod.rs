@@ -29,7 +29,10 @@ pub use crate::admission::queue::{Booked, Routed};
 pub use crate::admission::release::observe_queue;
 pub use crate::admission::{Admission, Waiter};
 pub use handle::Service;
-pub use select::{select, select_and_reserve};
+pub use select::{
+    DisaggSelected, select, select_and_reserve, select_and_reserve_disaggregated,
+    select_disaggregated,
+};
 
 // ---------------------------------------------------------------------------------------------
 // Catalog

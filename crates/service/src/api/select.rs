@@ -5,11 +5,11 @@
 use crate::admission::queue::{Booked, ResolvedSelect, Routed};
 use crate::admission::{self, Admission};
 use crate::error::ApiError;
-use crate::state::AppState;
+use crate::state::{AppState, Change};
 use crate::types::{PromptInput, SelectBody};
 use kvroute_core::error::PartitionKey;
 use kvroute_core::hash::{PromptHashes, seed_for};
-use kvroute_core::selector::Selection;
+use kvroute_core::selector::{DisaggReservation, DisaggSelection, Selection};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -89,4 +89,77 @@ fn resolve_select(state: &AppState, body: &mut SelectBody) -> Result<ResolvedSel
         overrides,
         routing_constraints: body.routing_constraints.take(),
     })
+}
+
+/// A disaggregated select decided (SPEC §6.1): the picks, and, from `/select_and_reserve`, the
+/// bookings of its legs.
+#[derive(Debug, Clone)]
+pub struct DisaggSelected {
+    pub selection: DisaggSelection,
+    pub reservations: Option<DisaggReservation>,
+}
+
+/// `POST /select` with `"disaggregated": true`: a prefill and a decode worker, or one worker
+/// for the whole request (a bypass), booking nothing. Decided at once: a disaggregated request
+/// does not wait in the admission queue.
+pub fn select_disaggregated(
+    state: &AppState,
+    mut body: SelectBody,
+) -> Result<DisaggSelected, ApiError> {
+    let resolved = resolve_select(state, &mut body)?;
+    let req = resolved.request(&body, body.advisory);
+    let start = Instant::now();
+    let selection =
+        state
+            .selector
+            .read()
+            .select_disaggregated(&req, state.now(), &mut rand::rng())?;
+    state
+        .metrics
+        .observe_phase("route", start.elapsed().as_secs_f64());
+    observe_legs(state, &selection);
+    Ok(DisaggSelected {
+        selection,
+        reservations: None,
+    })
+}
+
+/// `POST /select_and_reserve` with `"disaggregated": true`: both legs picked and booked (under
+/// `<id>.prefill` and `<id>.decode`), or neither.
+pub fn select_and_reserve_disaggregated(
+    state: &AppState,
+    mut body: SelectBody,
+) -> Result<DisaggSelected, ApiError> {
+    let resolved = resolve_select(state, &mut body)?;
+    let req = resolved.request(&body, false);
+    let booked = state.selector.write().select_and_reserve_disaggregated(
+        &req,
+        body.reservation_id.as_deref(),
+        state.now(),
+        &mut rand::rng(),
+    );
+    match booked {
+        Ok((selection, reservations)) => {
+            for r in reservations.prefill.iter().chain([&reservations.decode]) {
+                state.changed(Change::Booked(&r.reservation_id));
+            }
+            observe_legs(state, &selection);
+            Ok(DisaggSelected {
+                selection,
+                reservations: Some(reservations),
+            })
+        }
+        Err(e) => {
+            // A refused booking may have dropped its session's binding.
+            state.changed(Change::BookingRefused);
+            Err(e.into())
+        }
+    }
+}
+
+/// Decision quality counts each leg in its own right.
+fn observe_legs(state: &AppState, selection: &DisaggSelection) {
+    for leg in selection.prefill.iter().chain([&selection.decode]) {
+        state.metrics.observe_selection(leg);
+    }
 }

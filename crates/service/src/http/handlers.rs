@@ -139,6 +139,11 @@ pub async fn select(
     StrictJson(body): StrictJson<SelectBody>,
 ) -> AppResult {
     state.applier.passed().await;
+    if body.disaggregated {
+        return ok(render::disaggregated(&api::select_disaggregated(
+            &state, body,
+        )?));
+    }
     let selection = api::select(&state, body, tenant.as_deref())
         .answer()
         .await?;
@@ -151,6 +156,10 @@ pub async fn select_and_reserve(
     StrictJson(body): StrictJson<SelectBody>,
 ) -> AppResult {
     state.applier.passed().await;
+    if body.disaggregated {
+        let booked = api::select_and_reserve_disaggregated(&state, body)?;
+        return ok(render::disaggregated(&booked));
+    }
     let booked = api::select_and_reserve(&state, body, tenant.as_deref())
         .answer()
         .await?;

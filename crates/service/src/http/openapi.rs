@@ -75,7 +75,9 @@ fn response_schemas() -> Value {
         "topology_domains": {"type": "object", "additionalProperties": string},
         "kv_transfer_domain": {"type": "string", "nullable": true},
         "kv_transfer_enforcement": {"type": "string", "enum": ["required", "preferred"], "nullable": true},
-        "kv_transfer_preferred_weight": {"type": "number", "nullable": true}
+        "kv_transfer_preferred_weight": {"type": "number", "nullable": true},
+        "role": {"type": "string", "enum": ["prefill", "decode"], "description": "kvroute's: only when not `both`"},
+        "bootstrap_port": {"type": "integer", "description": "kvroute's: when registered"}
     }));
     let overlap = object(json!({
         "longest_matched": int, "gpu": int, "cpu": int, "disk": int,
@@ -150,7 +152,16 @@ fn response_schemas() -> Value {
         "WorkerRecord": worker,
         "Ready": object(json!({"ready": boolean, "schedulable_workers": int, "workers": array_of("WorkerRecord")})),
         "Selection": object(selection),
-        "SelectionAndReservation": object(booked),
+        "SelectionAndReservation": object(booked.clone()),
+        "Disaggregated": with(
+            object(json!({
+                "disaggregated": {"type": "boolean", "enum": [true]},
+                "bypass": {"type": "string", "nullable": true, "enum": ["small_uncached", "prefill_saturated", "no_prefill_workers"], "description": "why the request runs whole on the decode pick (prefill is then null)"},
+                "prefill": with(object(with(booked.clone(), json!({"bootstrap_port": {"type": "integer", "nullable": true}}))), json!({"nullable": true, "description": "the prefill leg; reservation fields with /select_and_reserve only; selection_id <id>.prefill"})),
+                "decode": with(object(booked), json!({"description": "the decode leg (or the whole request with a bypass); reservation fields with /select_and_reserve only; selection_id <id>.decode"}))
+            })),
+            json!({"description": "The answer of /select and /select_and_reserve with \"disaggregated\": true (SPEC §6.1)"}),
+        ),
         "ReservationRecord": object(json!({
             "reservation_id": string, "selection_id": string, "model_name": string,
             "routing_group": string, "worker_id": int, "dp_rank": int, "endpoint": string
@@ -230,6 +241,7 @@ pub fn document() -> Value {
         s.insert("affinity_target".into(), json!({"type": "object", "required": ["worker_id"], "description": "A worker (and rank) preferred over any load, and over a bound session; ignored when not schedulable here", "properties": {"worker_id": {"type": "integer"}, "dp_rank": {"type": "integer"}}}));
         s.insert("priority_jump".into(), json!({"type": "number", "nullable": true, "description": "With --queue-threshold: seconds to move ahead in the admission queue (below 0 counts as 0). The request's tenant is its x-tenant-id header."}));
         s.insert("strict_priority".into(), json!({"type": "integer", "minimum": 0, "maximum": 4294967295u64, "nullable": true, "description": "With --queue-threshold: higher goes first in the admission queue, before any other order"}));
+        s.insert("disaggregated".into(), json!({"type": "boolean", "default": false, "description": "kvroute's: pick a prefill worker (role prefill) and a decode worker (role decode or both), or one worker for the whole request when little is uncached on it (--pd-bypass-tokens) or no prefill worker is free; answers Disaggregated; never queued; not with pinned_worker (SPEC §6.1)"}));
         s.insert("queue_timeout_ms".into(), json!({"type": "integer", "minimum": 1, "maximum": 86400000, "nullable": true, "description": "With --queue-threshold: the longest this request waits in the admission queue (default --queue-timeout-ms); 429 beyond"}));
     }
     if let Some(r) = reservation.as_object_mut() {
@@ -243,6 +255,15 @@ pub fn document() -> Value {
         r.insert("session_id".into(), json!({"type": "string", "nullable": true, "maxLength": 256, "description": "Explicit form, with --session-affinity-ttl-secs: the booking's session, bound to the booked rank unless already bound to an available one (a replay books its selection's session)"}));
         r.insert("session_context".into(), schema("SessionContext"));
     }
+    let either = |plain: &str| json!({"oneOf": [schema(plain), schema("Disaggregated")]});
+    let select_reply = reply(
+        "The selection (Disaggregated with \"disaggregated\": true)",
+        either("Selection"),
+    );
+    let booked_reply = reply(
+        "The selection and its booking (Disaggregated, both legs booked, with \"disaggregated\": true)",
+        either("SelectionAndReservation"),
+    );
     let mut doc = json!({
         "openapi": "3.0.3",
         "info": {
@@ -260,8 +281,8 @@ pub fn document() -> Value {
                 "patch": op("Update some fields of a worker", Some("Worker"), "200", reply("The worker record", schema("WorkerRecord"))),
                 "delete": op("Delete a worker (frees its reservations)", None, "200", reply("The record, lifecycle unschedulable", schema("WorkerRecord")))
             },
-            "/select": {"post": op("Choose a worker; books nothing. With selection_id the booking inputs are cached for a replay.", Some("Select"), "200", reply("The selection", schema("Selection")))},
-            "/select_and_reserve": {"post": op("Choose and book atomically", Some("Select"), "200", reply("The selection and its booking", schema("SelectionAndReservation")))},
+            "/select": {"post": op("Choose a worker; books nothing. With selection_id the booking inputs are cached for a replay.", Some("Select"), "200", select_reply)},
+            "/select_and_reserve": {"post": op("Choose and book atomically", Some("Select"), "200", booked_reply)},
             "/reservations": {"post": op("Book load: replay a cached selection (selection_id) or book explicitly (worker_id + prompt)", Some("Reservation"), "201", reply("The reservation", schema("ReservationRecord")))},
             "/reservations/{reservation_id}/prefill_complete": {"parameters": id("reservation_id"), "post": op("Prefill finished (idempotent)", None, "200", reply("{\"status\":\"ok\"}", schema("Status")))},
             "/reservations/{reservation_id}/output_block": {"parameters": id("reservation_id"), "post": op("One more output block; optional body {\"decay_fraction\": f}", Some("OutputBlock"), "200", reply("{\"status\":\"ok\"}", schema("Status")))},
@@ -324,6 +345,10 @@ pub fn document() -> Value {
             }
         }
     });
+    if let Some(worker) = doc["components"]["schemas"]["Worker"]["properties"].as_object_mut() {
+        worker.insert("role".into(), json!({"type": "string", "enum": ["both", "prefill", "decode"], "default": "both", "description": "kvroute's (SPEC §6.1): prefill workers take only the prefill legs of disaggregated requests; decode and both workers take whole requests and decode legs"}));
+        worker.insert("bootstrap_port".into(), json!({"type": "integer", "minimum": 0, "maximum": 65535, "description": "kvroute's: an SGLang prefill worker's bootstrap port, echoed in its prefill picks"}));
+    }
     if let (Some(schemas), Value::Object(responses)) = (
         doc["components"]["schemas"].as_object_mut(),
         response_schemas(),

@@ -2,12 +2,12 @@
 //! in Dynamo's shapes (field names, nesting, key order). The Python binding renders through
 //! these too, so a dict and an HTTP body cannot differ.
 
-use crate::api::Booked;
+use crate::api::{Booked, DisaggSelected};
 use crate::types::{signed, worker_json};
 use kvroute_core::event::{KvEvent, Rank, Tier};
 use kvroute_core::selector::{
-    CacheModelReport, OverlapScores, PartitionDump, PartitionLoads, RankLoadReport, ReadyState,
-    Reservation, Selection, WorkerRecord,
+    CacheModelReport, OverlapScores, PartitionDump, PartitionLoads, PdBypass, RankLoadReport,
+    ReadyState, Reservation, Selection, WorkerRecord,
 };
 use serde::Serialize;
 use serde_json::{Value, json};
@@ -100,6 +100,29 @@ fn select_and_reserve_json(s: &Selection, r: &Reservation) -> Value {
         obj.insert("track_prefill_tokens".into(), json!(s.track_prefill_tokens));
     }
     v
+}
+
+/// The answer of a disaggregated `/select` or `/select_and_reserve` (SPEC §6.1): each leg in the
+/// shape of the plain route's answer, the prefill pick with its `bootstrap_port`.
+pub fn disaggregated(d: &DisaggSelected) -> Value {
+    let s = &d.selection;
+    let leg = |sel: &Selection, booking: Option<&Reservation>| match booking {
+        Some(r) => select_and_reserve_json(sel, r),
+        None => selection(sel),
+    };
+    let prefill = s.prefill.as_ref().map(|p| {
+        let mut v = leg(p, d.reservations.as_ref().and_then(|r| r.prefill.as_ref()));
+        if let Some(obj) = v.as_object_mut() {
+            obj.insert("bootstrap_port".into(), json!(p.bootstrap_port));
+        }
+        v
+    });
+    json!({
+        "disaggregated": true,
+        "bypass": s.bypass.map(PdBypass::as_str),
+        "prefill": prefill,
+        "decode": leg(&s.decode, d.reservations.as_ref().map(|r| &r.decode)),
+    })
 }
 
 pub fn reservation(r: &Reservation) -> Value {

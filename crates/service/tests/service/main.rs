@@ -20,6 +20,7 @@
 mod common;
 mod connections;
 mod dashboard;
+mod disagg;
 mod dynamo_compat;
 mod dynamo_queue;
 mod engine_load;

@@ -86,6 +86,9 @@ pub struct SelectorPolicy {
 pub const DEFAULT_SESSION_TTL: Duration = Duration::from_secs(30);
 
 /// What a policy is.
+// A run holds a handful of these, copied by value: the size of the largest (a whole selector
+// configuration) does not matter, and boxing it would cost `Copy`.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum PolicyKind {
     RoundRobin,

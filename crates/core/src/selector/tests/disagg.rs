@@ -1,4 +1,4 @@
-//! Disaggregated prefill and decode (`disagg.rs`, SPEC §6.6): roles keep plain selects off the
+//! Disaggregated prefill and decode (`disagg.rs`, SPEC §6.1): roles keep plain selects off the
 //! prefill workers, each leg is picked on its own pool by its own cost, bypasses, and both legs
 //! booked or neither.
 

@@ -335,6 +335,20 @@ fn walk(doc: &Value, value: &Value, schema: &Value, at: &str, problems: &mut Vec
         problems.push(format!("{at}: no schema"));
         return;
     }
+    // One of several shapes: the value must fit one of them (the closest one's problems count).
+    if let Some(options) = schema["oneOf"].as_array() {
+        let closest = options
+            .iter()
+            .map(|option| {
+                let mut found = Vec::new();
+                walk(doc, value, option, at, &mut found);
+                found
+            })
+            .min_by_key(Vec::len)
+            .unwrap_or_else(|| vec![format!("{at}: an empty oneOf")]);
+        problems.extend(closest);
+        return;
+    }
     let kind = match value {
         Value::Null => return,
         Value::Bool(_) => "boolean",
@@ -742,6 +756,22 @@ async fn response_problems(doc: &Value) -> (Vec<String>, BTreeSet<(String, &'sta
     .await;
     let both = json!({"token_ids": tokens, "reservation_id": "r2", "expected_output_tokens": 8});
     r.post("/select_and_reserve", "/select_and_reserve", both)
+        .await;
+    // Disaggregated prefill and decode, in a partition of their own.
+    for pd in [
+        json!({"worker_id": 4, "model_name": "pd", "endpoint": "http://127.0.0.1:8004",
+               "block_size": 4, "role": "prefill", "bootstrap_port": 8998}),
+        json!({"worker_id": 5, "model_name": "pd", "endpoint": "http://127.0.0.1:8005",
+               "block_size": 4, "role": "decode"}),
+    ] {
+        r.post("/workers", "/workers", pd).await;
+    }
+    let pd = json!({"model_name": "pd", "token_ids": tokens, "disaggregated": true,
+                    "selection_id": "pd1"});
+    r.post("/select", "/select", pd).await;
+    let pd = json!({"model_name": "pd", "token_ids": tokens, "disaggregated": true,
+                    "reservation_id": "pd2"});
+    r.post("/select_and_reserve", "/select_and_reserve", pd)
         .await;
     let explicit = json!({"worker_id": 2, "token_ids": tokens, "reservation_id": "r3"});
     r.post("/reservations", "/reservations", explicit).await;
