@@ -5,7 +5,8 @@
 //! ## vLLM (NixlConnector)
 //! - **Prefill leg**: a request with `kv_transfer_params: {"do_remote_decode": true,
 //!   "do_remote_prefill": false, ...}` runs with `max_tokens: 1`; its full prompt blocks are then
-//!   held (not evictable) and the answer's body carries `kv_transfer_params`:
+//!   held (not evictable) and the answer's body (a whole one: a streamed prefill leg holds its
+//!   blocks all the same, but has no body to say so) carries `kv_transfer_params`:
 //!   `do_remote_prefill: true`, `do_remote_decode: false`, `remote_engine_id` (this engine's
 //!   id), `remote_request_id` (the answer's id), `remote_block_ids` (ids minted for the held
 //!   blocks), `remote_host`/`remote_port` (this engine's HTTP address: the mock's transfer
