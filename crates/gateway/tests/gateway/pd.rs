@@ -352,3 +352,45 @@ async fn a_client_leaving_during_either_leg_frees_both_bookings() {
     drop(leaving);
     gw.assert_no_booking_left().await;
 }
+
+#[tokio::test]
+async fn a_prefill_leg_past_its_timeout_and_a_decode_engine_dying_free_both_bookings() {
+    let prefill = Upstream::start().await;
+    *prefill.state.faults.first_token_delay.lock() = Duration::from_secs(5);
+    let decode = Upstream::start().await;
+    let gw = TestGateway::start(
+        &[],
+        &[
+            "--pd-protocol",
+            "vllm",
+            "--prefill",
+            &prefill.url(),
+            "--decode",
+            &decode.url(),
+            "--first-token-timeout-secs",
+            "0.3",
+            "--health-check-secs",
+            "0",
+        ],
+    )
+    .await;
+    let body = json!({"model": "default", "prompt": prompt(11), "max_tokens": 5, "stream": true});
+    let (status, _, bytes) = post(&client(), &gw.url("/v1/completions"), &body).await;
+    assert_eq!(status, 504, "{}", String::from_utf8_lossy(&bytes));
+    assert!(String::from_utf8_lossy(&bytes).contains("did not answer within 300 ms"));
+    assert!(decode.requests("/v1/completions").is_empty());
+    gw.assert_no_booking_left().await;
+
+    // The decode engine dies mid-stream: the client's stream ends with an error event.
+    *prefill.state.faults.first_token_delay.lock() = Duration::ZERO;
+    *prefill.state.faults.answer_extra.lock() =
+        Some(json!({"kv_transfer_params": {"do_remote_prefill": true}}));
+    *decode.state.faults.die_after_tokens.lock() = Some(2);
+    let body = json!({"model": "default", "prompt": prompt(12), "max_tokens": 5, "stream": true});
+    let (status, _, bytes) = post(&client(), &gw.url("/v1/completions"), &body).await;
+    assert_eq!(status, 200);
+    let events = sse_payloads(&bytes);
+    assert!(events.iter().any(|e| e.contains("\"error\"")), "{events:?}");
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    gw.assert_no_booking_left().await;
+}
