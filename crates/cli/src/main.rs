@@ -11,6 +11,7 @@ mod hash_cmd;
 mod loadgen;
 mod serve_cmd;
 mod sim_cmd;
+mod sim_pd;
 
 use clap::{Parser, Subcommand};
 

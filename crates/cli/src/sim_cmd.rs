@@ -37,6 +37,7 @@ use std::time::{Duration, Instant};
 const DEFAULT_SYNTHETIC: &str = "16x64";
 
 #[derive(Args, Debug, Clone)]
+#[command(group(clap::ArgGroup::new("suites").args(["suite", "suite_pd"]).multiple(true)))]
 pub struct SimArgs {
     /// Mooncake JSONL trace to replay (`timestamp` ms, `input_length`, `output_length`,
     /// `hash_ids` of 512-token blocks).
@@ -167,14 +168,15 @@ pub struct SimArgs {
     /// Run the workload suite instead of one workload (see crates/sim/README.md).
     #[arg(long, conflicts_with_all = ["trace", "synthetic", "out"])]
     pub suite: bool,
-    /// With --suite: also run this Mooncake JSONL trace as the shape `trace`.
-    #[arg(long, requires = "suite")]
+    /// With --suite or --suite-pd: also run this Mooncake JSONL trace as the shape `trace`.
+    #[arg(long, requires = "suites")]
     pub suite_trace: Option<PathBuf>,
-    /// With --suite: directory for suite.json and suite.md (created if missing).
-    #[arg(long, requires = "suite")]
+    /// With --suite: directory for suite.json and suite.md; with --suite-pd, pd.json and pd.md
+    /// (created if missing).
+    #[arg(long, requires = "suites")]
     pub suite_out: Option<PathBuf>,
-    /// With --suite: only these shapes, comma-separated (default: all).
-    #[arg(long, requires = "suite")]
+    /// With --suite or --suite-pd: only these shapes, comma-separated (default: all).
+    #[arg(long, requires = "suites")]
     pub suite_shapes: Option<String>,
     /// With --suite: these load multipliers, comma-separated.
     #[arg(long, requires = "suite", default_value = "1,2,4,8")]
@@ -182,9 +184,11 @@ pub struct SimArgs {
     /// With --suite: these router replica counts, comma-separated.
     #[arg(long, requires = "suite", default_value = "1,2")]
     pub suite_replicas: String,
-    /// With --suite: these engine models, comma-separated.
-    #[arg(long, requires = "suite", default_value = "fitted,batch")]
+    /// With --suite or --suite-pd: these engine models, comma-separated.
+    #[arg(long, requires = "suites", default_value = "fitted,batch")]
     pub suite_engines: String,
+    #[command(flatten)]
+    pub pd: crate::sim_pd::PdArgs,
     /// Synthetic workload: tokens of each group's shared system prompt.
     #[arg(long, default_value_t = 4096)]
     pub system_prompt_tokens: usize,
@@ -241,7 +245,7 @@ fn coefficients(knob: &str, text: &str) -> Result<[f64; 3], String> {
 }
 
 /// The engine model `name` with the flags' batch coefficients.
-fn engine_model(name: &str, args: &SimArgs) -> Result<EngineModel, String> {
+pub(crate) fn engine_model(name: &str, args: &SimArgs) -> Result<EngineModel, String> {
     match EngineModel::parse(name).map_err(|e| e.to_string())? {
         EngineModel::Fitted => Ok(EngineModel::Fitted),
         EngineModel::Batch(_) => {
@@ -502,8 +506,14 @@ pub fn kvroute_settings(args: &SimArgs) -> Result<SelectorPolicy, String> {
 }
 
 fn run_inner(args: &SimArgs) -> Result<(), String> {
+    if args.pd.suite_pd {
+        return crate::sim_pd::run_suite_pd_cmd(args);
+    }
     if args.suite {
         return run_suite_cmd(args);
+    }
+    if args.pd.wanted() {
+        return crate::sim_pd::run_pd_cmd(args);
     }
     let started = Instant::now();
     let config = sim_config(args)?;
@@ -589,7 +599,7 @@ fn run_inner(args: &SimArgs) -> Result<(), String> {
 }
 
 /// A comma-separated list of `what`, each parsed by `parse`.
-fn list<T>(
+pub(crate) fn list<T>(
     knob: &str,
     text: &str,
     parse: impl Fn(&str) -> Result<T, String>,
@@ -610,40 +620,7 @@ fn list<T>(
 
 /// The suite the flags describe: shapes, loads, replicas, engine models and policies.
 pub fn suite_options(args: &SimArgs) -> Result<SuiteOptions, String> {
-    let mut all_shapes = shapes();
-    if let Some(path) = &args.suite_trace {
-        let file = std::fs::File::open(path)
-            .map_err(|e| format!("cannot open --suite-trace {}: {e}", path.display()))?;
-        let rows =
-            parse_mooncake(BufReader::new(file)).map_err(|e| format!("{}: {e}", path.display()))?;
-        if rows.is_empty() {
-            return Err(format!(
-                "invalid --suite-trace: {} holds no request",
-                path.display()
-            ));
-        }
-        all_shapes.push(Box::new(TraceShape {
-            source: path.display().to_string(),
-            rows,
-        }));
-    }
-    let selected: Vec<Box<dyn Shape>> = match &args.suite_shapes {
-        None => all_shapes,
-        Some(names) => {
-            let names = list("suite-shapes", names, |n| Ok(n.to_string()))?;
-            let known: Vec<String> = all_shapes.iter().map(|s| s.name().to_string()).collect();
-            if let Some(unknown) = names.iter().find(|n| !known.contains(n)) {
-                return Err(format!(
-                    "invalid --suite-shapes: unknown shape `{unknown}` (known: {})",
-                    known.join(", ")
-                ));
-            }
-            all_shapes
-                .into_iter()
-                .filter(|s| names.iter().any(|n| n == s.name()))
-                .collect()
-        }
-    };
+    let selected = suite_shapes(args)?;
     let loads = list("suite-loads", &args.suite_loads, |l| {
         match l.parse::<f64>() {
             Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
@@ -680,6 +657,45 @@ pub fn suite_options(args: &SimArgs) -> Result<SuiteOptions, String> {
         policies,
         base: sim_config(args)?,
     })
+}
+
+/// The suite's shapes the flags select (`--suite-shapes`, `--suite-trace`), in the suite's order.
+pub(crate) fn suite_shapes(args: &SimArgs) -> Result<Vec<Box<dyn Shape>>, String> {
+    let mut all_shapes = shapes();
+    if let Some(path) = &args.suite_trace {
+        let file = std::fs::File::open(path)
+            .map_err(|e| format!("cannot open --suite-trace {}: {e}", path.display()))?;
+        let rows =
+            parse_mooncake(BufReader::new(file)).map_err(|e| format!("{}: {e}", path.display()))?;
+        if rows.is_empty() {
+            return Err(format!(
+                "invalid --suite-trace: {} holds no request",
+                path.display()
+            ));
+        }
+        all_shapes.push(Box::new(TraceShape {
+            source: path.display().to_string(),
+            rows,
+        }));
+    }
+    let selected: Vec<Box<dyn Shape>> = match &args.suite_shapes {
+        None => all_shapes,
+        Some(names) => {
+            let names = list("suite-shapes", names, |n| Ok(n.to_string()))?;
+            let known: Vec<String> = all_shapes.iter().map(|s| s.name().to_string()).collect();
+            if let Some(unknown) = names.iter().find(|n| !known.contains(n)) {
+                return Err(format!(
+                    "invalid --suite-shapes: unknown shape `{unknown}` (known: {})",
+                    known.join(", ")
+                ));
+            }
+            all_shapes
+                .into_iter()
+                .filter(|s| names.iter().any(|n| n == s.name()))
+                .collect()
+        }
+    };
+    Ok(selected)
 }
 
 fn run_suite_cmd(args: &SimArgs) -> Result<(), String> {

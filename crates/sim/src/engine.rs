@@ -156,6 +156,9 @@ struct Sequence {
     /// Output blocks reported to the router so far.
     output_blocks_reported: u64,
     admitted_before: bool,
+    /// Its prompt's KV was computed elsewhere and arrives with it (a disaggregated decode
+    /// leg, [`Engine::submit_transferred`]): admission holds the prompt without computing it.
+    transferred: bool,
 }
 
 impl Sequence {
@@ -281,7 +284,20 @@ impl Engine {
             extra_hashes: Vec::new(),
             output_blocks_reported: 0,
             admitted_before: false,
+            transferred: false,
         });
+    }
+
+    /// Queues the decode leg of a disaggregated request: its prompt's KV was computed on a
+    /// prefill engine and copied here. On admission the prompt's blocks are allocated (the
+    /// resident prefix shared, as a hit) and cached at no compute cost, then the step computes
+    /// its last prompt token as a decode token, which samples the first output token. A
+    /// preempted leg loses the copy and recomputes its prompt here, as vLLM would.
+    pub fn submit_transferred(&mut self, id: RequestId, request: &SimRequest) {
+        self.submit(id, request);
+        if let Some(seq) = self.waiting.back_mut() {
+            seq.transferred = true;
+        }
     }
 
     /// `(local, sequence)` hash of block `index` of a sequence (which must be full).
@@ -328,6 +344,7 @@ impl Engine {
         seq.table_cached.clear();
         seq.table_private = 0;
         seq.computed = 0;
+        seq.transferred = false;
         self.counters.preemptions += 1;
         self.report.preemptions += 1;
         self.waiting.push_front(seq);
@@ -496,10 +513,18 @@ impl Engine {
                     hits.push(sequence);
                 }
                 let hit_tokens = hits.len() as u64 * block_size;
-                let tokens = (total - hit_tokens).min(budget);
-                let held_after = (hit_tokens + tokens).div_ceil(block_size);
+                // A transferred prompt is held up to its last token for free; that token is
+                // this step's (decode) work.
+                let transferred = std::mem::take(&mut seq.transferred);
+                let (copied, tokens) = if transferred {
+                    (total.saturating_sub(1).saturating_sub(hit_tokens), 1)
+                } else {
+                    (0, (total - hit_tokens).min(budget))
+                };
+                let held_after = (hit_tokens + copied + tokens).div_ceil(block_size);
                 let new_private = held_after - hits.len() as u64;
                 if !self.pool.try_allocate(&hits, new_private) {
+                    seq.transferred = transferred;
                     self.waiting.push_front(seq);
                     break;
                 }
@@ -510,9 +535,15 @@ impl Engine {
                 seq.table_cached = hits;
                 seq.table_private = new_private;
                 seq.computed = hit_tokens;
-                Self::fill_computed(&mut self.pool, block_size, &mut seq, request, tokens);
+                Self::fill_computed(
+                    &mut self.pool,
+                    block_size,
+                    &mut seq,
+                    request,
+                    copied + tokens,
+                );
                 budget -= tokens;
-                if tokens > 1 || seq.output_done == 0 {
+                if !transferred && (tokens > 1 || seq.output_done == 0) {
                     prefill_tokens += tokens;
                 } else {
                     decode.sequences += 1;

@@ -16,6 +16,8 @@
 //! - [`replicas`]: several routers of one policy that hear of each other's bookings late
 //!   (`--router-replicas`).
 //! - [`sim`]: the event loop ([`sim::run_policy`]).
+//! - [`pd`]: disaggregated prefill/decode fleets (prefill pool, KV transfer, decode pool), their
+//!   routers, and the comparison of aggregated and P/D fleets (`kvroute sim --pd`, `--suite-pd`).
 //! - [`suite`]: the workload suite (`kvroute sim --suite`): every policy on several traffic
 //!   shapes, loads, replica counts and both engine models, and how far each is from the best.
 //! - [`report`]: per-policy hit rate, decision quality, TTFT, latency, throughput, imbalance,
@@ -39,6 +41,7 @@
 
 pub mod engine;
 mod error;
+pub mod pd;
 pub mod policy;
 pub mod pool;
 pub mod replicas;
