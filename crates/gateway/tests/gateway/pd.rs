@@ -288,6 +288,10 @@ async fn without_prefill_workers_requests_run_whole_on_a_decode_worker() {
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
     assert_eq!(header(&headers, "x-kvroute-prefill-worker-id"), None);
     assert_eq!(decode.recent_requests()[0].completion_tokens, 3);
+    let body = json!({"model": "nope", "prompt": prompt(7)});
+    let (status, _, bytes) = post(&client(), &gw.url("/v1/completions"), &body).await;
+    assert_eq!(status, 404, "{}", String::from_utf8_lossy(&bytes));
+    assert!(String::from_utf8_lossy(&bytes).contains("The model `nope` does not exist."));
     gw.assert_no_booking_left().await;
 }
 
