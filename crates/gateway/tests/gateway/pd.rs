@@ -398,3 +398,56 @@ async fn a_prefill_leg_past_its_timeout_and_a_decode_engine_dying_free_both_book
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
     gw.assert_no_booking_left().await;
 }
+
+#[tokio::test]
+async fn workers_register_with_their_role_and_bootstrap_port() {
+    let dir = std::env::temp_dir().join(format!("kvroute-gateway-pd-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("workers.toml");
+    std::fs::write(
+        &file,
+        "[[workers]]\nurl = \"http://127.0.0.1:9\"\nrole = \"decode\"\n",
+    )
+    .unwrap();
+    let gw = TestGateway::start(
+        &[],
+        &[
+            "--pd-protocol",
+            "sglang",
+            "--prefill",
+            "http://127.0.0.1:7@8998",
+            "--worker",
+            "http://127.0.0.1:8",
+            "--workers-file",
+            file.to_str().unwrap(),
+            "--health-check-secs",
+            "0",
+        ],
+    )
+    .await;
+    let (status, workers) = get_json(&client(), &gw.url("/workers")).await;
+    assert_eq!(status, 200);
+    let role_of = |url: &str| {
+        let id = worker_id_for(url);
+        let record = workers
+            .as_array()
+            .or(workers["workers"].as_array())
+            .unwrap()
+            .iter()
+            .find(|w| w["worker_id"] == json!(id))
+            .cloned()
+            .unwrap_or_else(|| panic!("{url} registered: {workers}"));
+        (record["role"].clone(), record["bootstrap_port"].clone())
+    };
+    assert_eq!(
+        role_of("http://127.0.0.1:7"),
+        (json!("prefill"), json!(8998))
+    );
+    assert_eq!(
+        role_of("http://127.0.0.1:9"),
+        (json!("decode"), Value::Null)
+    );
+    // A `both` worker's record leaves the default out, as Dynamo's has no such field.
+    assert_eq!(role_of("http://127.0.0.1:8"), (Value::Null, Value::Null));
+    let _ = std::fs::remove_dir_all(&dir);
+}
