@@ -14,6 +14,7 @@ use crate::tokenize::{RemoteTokenizer, TokenizeMode, Tokenizers};
 use crate::workers::{self, FileDefaults, FileWorkers};
 use kvroute_service::AppState;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 /// Everything a gateway request reads.
@@ -26,6 +27,9 @@ pub struct Gateway {
     pub(crate) policy: Policy,
     /// The engines' counts held against the gateway's (`tokenizer_mismatch`, `cache_mismatch`).
     pub(crate) mismatch: Arc<MismatchWatch>,
+    /// Makes the request ids the gateway gives both legs of a disaggregated request unique.
+    nonce: u64,
+    requests: AtomicU64,
 }
 
 impl std::fmt::Debug for Gateway {
@@ -65,7 +69,17 @@ impl Gateway {
             config,
             client,
             tokenizers,
+            nonce: rand::random(),
+            requests: AtomicU64::new(0),
         }))
+    }
+
+    pub(crate) fn nonce(&self) -> u64 {
+        self.nonce
+    }
+
+    pub(crate) fn next_request_number(&self) -> u64 {
+        self.requests.fetch_add(1, Ordering::Relaxed)
     }
 
     pub fn config(&self) -> &GatewayConfig {

@@ -45,6 +45,7 @@
 //! | [`proxy`] | the response body that drives and frees the booking |
 //! | [`gateway`] | `Gateway`: the state every request reads; the background tasks |
 //! | [`upstream`] | booking, dispatch, retries, the answer's head |
+//! | [`pd`] | disaggregated prefill and decode: both legs' bookings and bodies (`--pd-protocol`) |
 //! | [`routes`] | the axum routes and handlers |
 #![forbid(unsafe_code)]
 
@@ -58,6 +59,7 @@ pub mod health;
 pub mod metrics;
 pub mod mismatch;
 pub mod openai;
+pub mod pd;
 pub mod policy;
 pub mod proxy;
 pub mod routes;

@@ -35,6 +35,8 @@ pub struct Outbound<'a> {
     pub session: Option<&'a str>,
     /// The client's `Authorization`, when it is forwarded.
     pub client_authorization: Option<HeaderValue>,
+    /// The client's `X-Request-Id` (both legs of a disaggregated request carry one id).
+    pub request_id: Option<HeaderValue>,
 }
 
 /// Books a worker and sends it the request, the next-best one after a connection failure.
@@ -143,7 +145,7 @@ async fn book(
     }
 }
 
-fn upstream_request(
+pub(crate) fn upstream_request(
     gateway: &Gateway,
     endpoint: &str,
     kind: Kind,
@@ -171,7 +173,7 @@ fn upstream_request(
 }
 
 /// The engine answered: its status and body go to the client, the body driving the booking.
-fn respond(
+pub(crate) fn respond(
     gateway: &Gateway,
     response: hyper::Response<hyper::body::Incoming>,
     mut booking: Booking,

@@ -993,3 +993,5 @@ async fn a_prompt_prefix_counts_in_usage_only_and_details_can_be_left_out() {
     assert_eq!(body["usage"]["prompt_tokens"], 5);
     engine.shutdown().await;
 }
+#[path = "openai_engine/pd.rs"]
+mod pd;

@@ -6,6 +6,8 @@
 //! - [`front`]: chat templates, remote tokenization, the workers file, API keys, `/v1/models`.
 //! - [`degraded`]: routing gone blind (tokens, blocks, silent events) reported and cleared.
 //! - [`engine`]: the whole path against the mock OpenAI engine, its KV events included.
+//! - [`pd`]: disaggregated prefill and decode, both protocols, against mock P/D engines and
+//!   recording upstreams.
 //! - [`common`]: the gateway in process, a small vLLM-shaped upstream, the client.
 
 // Test helpers outside #[test] functions may unwrap: a failure there is a failed test.
@@ -17,3 +19,4 @@ mod engine;
 mod failures;
 mod front;
 mod lifecycle;
+mod pd;

@@ -322,7 +322,7 @@ pub fn run_pd(
                     e.pool().cached_prefix_blocks(&request.prompt.sequence) as u64
                         * u64::from(block_size)
                 };
-                outcome.chosen_overlap_tokens = resident(&pool[chosen]);
+                outcome.chosen_overlap_tokens = pool.get(chosen).map_or(0, resident);
                 outcome.best_overlap_tokens = pool.iter().map(resident).max().unwrap_or(0);
                 match route.prefill {
                     Some(p) => {

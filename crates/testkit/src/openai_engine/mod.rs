@@ -43,10 +43,17 @@
 //! [`MockEngine::set_prompt_prefix_tokens`] (a prompt prefix the router does not know),
 //! [`MockEngine::requests_served`], [`MockEngine::in_flight`], [`MockEngine::recent_requests`].
 //!
-//! Files: `engine_loop.rs` (the real-time loop and its KV events), `generate.rs` (the two
+//! ## Disaggregated prefill and decode
+//! With [`PdConfig`] of role `prefill` or `decode`, the engine is one leg of a P/D pair in
+//! vLLM's (`kv_transfer_params`) or SGLang's (bootstrap rooms) protocol: a prefill holds its
+//! prompt's blocks until a decode engine pulls them over HTTP (`disagg.rs` has the protocol).
+//!
+//! Files: `disagg.rs` (P/D legs, held blocks, the pull routes), `engine_loop.rs` (the real-time
+//! loop and its KV events), `generate.rs` (the two
 //! generation routes, streaming), `http.rs` (the other routes, the server and its connections),
 //! `protocol.rs` (the JSON), `tokenizer.rs`.
 
+mod disagg;
 mod engine_loop;
 mod generate;
 mod http;
@@ -68,6 +75,10 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
+pub use disagg::{
+    DEFAULT_BOOTSTRAP_PORT, DEFAULT_FETCH_TIMEOUT, DEFAULT_HOLD_TIMEOUT,
+    DEFAULT_KV_BYTES_PER_TOKEN, DEFAULT_KV_TRANSFER_GBPS, PdConfig, PdProtocol, PdRole,
+};
 pub use tokenizer::MockTokenizer;
 
 /// KV blocks of the default pool: 65,536 blocks of 16 tokens, the simulator's default capacity
@@ -110,6 +121,8 @@ pub struct MockEngineConfig {
     /// Report `usage.prompt_tokens_details.cached_tokens`, as vLLM does with
     /// `--enable-prompt-tokens-details` (the default here); `false`: `null`, vLLM's default.
     pub prompt_tokens_details: bool,
+    /// Disaggregated prefill/decode: the role, the protocol and the transfer's model.
+    pub pd: PdConfig,
 }
 
 impl Default for MockEngineConfig {
@@ -130,6 +143,7 @@ impl Default for MockEngineConfig {
             default_max_tokens: 16,
             prompt_prefix_tokens: 0,
             prompt_tokens_details: true,
+            pd: PdConfig::default(),
         }
     }
 }
@@ -149,6 +163,7 @@ impl MockEngineConfig {
         if self.max_model_len == 0 || self.default_max_tokens == 0 {
             return Err("max_model_len and default_max_tokens must be at least 1".to_string());
         }
+        self.pd.validate()?;
         let engine = EngineConfig {
             block_size: self.block_size,
             ..self.engine
@@ -190,6 +205,8 @@ pub(crate) struct Shared {
     load: EngineLoadGauges,
     /// Makes response ids differ between engines and runs.
     nonce: u64,
+    /// Blocks a prefill engine holds for decode engines.
+    transfers: disagg::Transfers,
 }
 
 impl Shared {
@@ -209,6 +226,7 @@ impl Shared {
             next_request: AtomicU64::new(0),
             load: EngineLoadGauges::default(),
             nonce,
+            transfers: disagg::Transfers::default(),
         }
     }
 
@@ -307,9 +325,11 @@ pub(crate) struct AppState {
     default_max_tokens: u32,
     prompt_tokens_details: bool,
     engine: EngineConfig,
+    time_scale: f64,
     tokenizer: MockTokenizer,
-    submissions: mpsc::UnboundedSender<engine_loop::Submission>,
+    submissions: mpsc::UnboundedSender<engine_loop::Command>,
     shared: Arc<Shared>,
+    pd: disagg::PdState,
 }
 
 /// A running mock engine. Dropping it kills it; [`shutdown`](Self::shutdown) ends it cleanly.
@@ -327,6 +347,8 @@ pub struct MockEngine {
     open: watch::Sender<()>,
     publisher: Option<Publisher>,
     tasks: Vec<JoinHandle<()>>,
+    engine_id: String,
+    bootstrap_addr: Option<SocketAddr>,
 }
 
 impl MockEngine {
@@ -358,6 +380,20 @@ impl MockEngine {
         shared
             .prompt_prefix_tokens
             .store(config.prompt_prefix_tokens, Ordering::Relaxed);
+        let bootstrap = if config.pd.serves_bootstrap() {
+            Some(TcpListener::bind((addr.ip(), config.pd.bootstrap_port)).await?)
+        } else {
+            None
+        };
+        let bootstrap_addr = match &bootstrap {
+            Some(listener) => Some(listener.local_addr()?),
+            None => None,
+        };
+        let engine_id = config
+            .pd
+            .engine_id
+            .clone()
+            .unwrap_or_else(|| format!("mock-{:016x}-{}", shared.nonce, addr.port()));
         let (graceful, _) = watch::channel(false);
         let (killed, _) = watch::channel(false);
         let (open, open_rx) = watch::channel(());
@@ -375,20 +411,37 @@ impl MockEngine {
             default_max_tokens: config.default_max_tokens,
             prompt_tokens_details: config.prompt_tokens_details,
             engine: engine_config,
+            time_scale: config.time_scale,
             tokenizer: tokenizer.clone(),
             submissions,
             shared: Arc::clone(&shared),
+            pd: disagg::PdState {
+                config: config.pd.clone(),
+                engine_id: engine_id.clone(),
+                host: addr.ip().to_string(),
+                port: addr.port(),
+                bootstrap_port: bootstrap_addr.map(|a| a.port()),
+            },
         });
-        let tasks = vec![
-            tokio::spawn(engine_loop.run(submissions_rx, killed.subscribe())),
-            tokio::spawn(http::serve(
-                listener,
-                http::router(state),
+        let mut tasks = vec![tokio::spawn(
+            engine_loop.run(submissions_rx, killed.subscribe()),
+        )];
+        if let Some(bootstrap) = bootstrap {
+            tasks.push(tokio::spawn(http::serve(
+                bootstrap,
+                disagg::bootstrap_router(Arc::clone(&state)),
                 graceful.subscribe(),
                 killed.subscribe(),
-                open_rx,
-            )),
-        ];
+                open_rx.clone(),
+            )));
+        }
+        tasks.push(tokio::spawn(http::serve(
+            listener,
+            http::router(state),
+            graceful.subscribe(),
+            killed.subscribe(),
+            open_rx,
+        )));
         Ok(MockEngine {
             addr,
             events_endpoint,
@@ -400,6 +453,8 @@ impl MockEngine {
             open,
             publisher,
             tasks,
+            engine_id,
+            bootstrap_addr,
         })
     }
 
@@ -425,6 +480,21 @@ impl MockEngine {
 
     pub fn model(&self) -> &str {
         &self.model
+    }
+
+    /// The engine's id in vLLM's `kv_transfer_params` (`remote_engine_id`).
+    pub fn engine_id(&self) -> &str {
+        &self.engine_id
+    }
+
+    /// The SGLang bootstrap server's address (a prefill engine of protocol `sglang`).
+    pub fn bootstrap_addr(&self) -> Option<SocketAddr> {
+        self.bootstrap_addr
+    }
+
+    /// Prefill legs whose blocks are held for a decode engine now.
+    pub fn held_transfers(&self) -> usize {
+        self.shared.transfers.len()
     }
 
     /// The tokenizer the routes use (what `/tokenize` answers with).

@@ -14,6 +14,8 @@ use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+pub(crate) use super::disagg::PdFieldsIn;
+
 /// An error answer: status, OpenAI error type, message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct ApiError {
@@ -151,6 +153,8 @@ pub(crate) struct CompletionRequest {
     pub stream_options: Option<StreamOptions>,
     #[serde(default)]
     pub add_special_tokens: Option<bool>,
+    #[serde(flatten)]
+    pub pd: PdFieldsIn,
 }
 
 /// `POST /v1/chat/completions`.
@@ -173,6 +177,8 @@ pub(crate) struct ChatRequest {
     pub add_generation_prompt: Option<bool>,
     #[serde(default)]
     pub add_special_tokens: Option<bool>,
+    #[serde(flatten)]
+    pub pd: PdFieldsIn,
 }
 
 /// A chat message as sent: `content` a string, a list of parts, or absent.
@@ -328,6 +334,9 @@ pub(crate) struct Envelope<'a, C: Serialize> {
     pub choices: C,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
+    /// A vLLM prefill leg's answer (P/D): what the decode leg carries.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_transfer_params: Option<&'a Value>,
 }
 
 /// A `text_completion` choice (whole or a chunk's).
