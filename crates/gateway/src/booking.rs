@@ -236,14 +236,18 @@ impl ServiceLink {
 
     /// Books a disaggregated request as `POST /select_and_reserve` with `"disaggregated":
     /// true` does: a prefill and a decode leg (`<id>.prefill`, `<id>.decode`), or one worker
-    /// for the whole request (a bypass). Decided at once (never queued).
+    /// for the whole request (a bypass). Decided at once (never queued). `decode_runs_whole`:
+    /// whether a decode worker can take a bypass (vLLM's can, SGLang's need a prefill peer, so
+    /// their bypasses go to `both` workers only).
     pub fn book_disaggregated(
         &self,
         request: BookRequest<'_>,
+        decode_runs_whole: bool,
         bookings_open: &Gauge,
     ) -> Result<PdBooked, GatewayError> {
         let body = SelectBody {
             disaggregated: true,
+            decode_runs_whole: Some(decode_runs_whole),
             ..select_body(&request)
         };
         let DisaggSelected {

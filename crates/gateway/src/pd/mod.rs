@@ -65,10 +65,11 @@ pub async fn dispatch(
         tenant: out.tenant,
         session: out.session,
     };
-    let booked = match gateway
-        .link
-        .book_disaggregated(request, &gateway.health.metrics().bookings_open)
-    {
+    let booked = match gateway.link.book_disaggregated(
+        request,
+        protocol == PdProtocol::Vllm,
+        &gateway.health.metrics().bookings_open,
+    ) {
         Err(e)
             if e.status == StatusCode::SERVICE_UNAVAILABLE
                 && gateway.link.is_unknown_model(out.model) =>
