@@ -24,7 +24,8 @@ mod bodies;
 
 pub use bodies::{sglang_body, vllm_decode_body, vllm_prefill_body};
 
-use crate::booking::{BookRequest, LegBooking, PdBooked};
+use crate::booking::BookRequest;
+use crate::booking::disagg::{LegBooking, PdBooked};
 use crate::client::error_chain;
 use crate::config::PdProtocol;
 use crate::error::GatewayError;
