@@ -125,7 +125,7 @@ async fn an_engine_killed_mid_stream_ends_the_clients_stream_and_the_next_reques
     let client = client();
     let request = post_request(
         &gw.url("/v1/completions"),
-        &json!({"prompt": [1, 2, 3, 4], "max_tokens": 2000, "stream": true}),
+        &json!({"model": "default", "prompt": [1, 2, 3, 4], "max_tokens": 2000, "stream": true}),
         None,
     );
     let response = client.request(request).await.unwrap();
@@ -159,7 +159,7 @@ async fn an_engine_killed_mid_stream_ends_the_clients_stream_and_the_next_reques
     let (status, headers, _) = post(
         &client,
         &gw.url("/v1/completions"),
-        &json!({"prompt": [1, 2, 3, 4], "max_tokens": 2}),
+        &json!({"model": "default", "prompt": [1, 2, 3, 4], "max_tokens": 2}),
     )
     .await;
     assert_eq!(status, 200);

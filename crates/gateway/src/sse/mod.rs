@@ -6,7 +6,8 @@
 //! unfinished line of the last frame (an event split across frames), at most
 //! [`MAX_LINE_BYTES`], so a stream is never held whole. Each `data:` line is parsed by serde
 //! into a borrowed skeleton that skips everything but `choices[].text`, `choices[].delta` and
-//! `usage.completion_tokens`, allocating nothing for the text itself.
+//! `usage.completion_tokens` (and a Responses event's `type`, `delta` and
+//! `response.usage.output_tokens`), allocating nothing for the text itself.
 //!
 //! Counting follows how vLLM and SGLang stream: one chunk per decode step, so a chunk whose
 //! choice has non-empty `text` (completions) or `delta.content` / `delta.reasoning_content` /
@@ -14,7 +15,15 @@
 //! them. The role-only first chunk of a chat stream and the final chunk with only a
 //! `finish_reason` carry none. A `usage` chunk's `completion_tokens`, when the client asked for
 //! it, corrects the count.
+//!
+//! A Responses API stream (`event: response.output_text.delta` + `data: {"type": …}`) counts
+//! one token per non-empty text, reasoning or tool-argument `delta` event; its
+//! `response.completed` (or `.incomplete`, `.failed`) event is its end, as `[DONE]` is a
+//! chat's, and carries the total in `response.usage.output_tokens`.
 
+mod responses;
+
+use responses::{Event, ResponseSkeleton};
 use serde::Deserialize;
 use serde::de::{self, Deserializer, IgnoredAny, Visitor};
 use std::fmt;
@@ -29,7 +38,7 @@ pub struct ChunkInfo {
     pub tokens: u64,
     /// `usage.completion_tokens`, when present.
     pub usage_completion_tokens: Option<u64>,
-    /// `data: [DONE]`.
+    /// `data: [DONE]`, or a response's last event (`response.completed`).
     pub done: bool,
     /// The engine reported an error in the stream (`{"error": ...}`).
     pub error: bool,
@@ -121,11 +130,30 @@ pub fn chunk_info(payload: &[u8]) -> ChunkInfo {
     let Ok(chunk) = serde_json::from_slice::<Chunk>(payload) else {
         return ChunkInfo::default();
     };
-    ChunkInfo {
-        tokens: chunk.choices.iter().map(Choice::tokens).sum(),
-        usage_completion_tokens: chunk.usage.and_then(|u| u.completion_tokens),
-        done: false,
-        error: chunk.error.is_some(),
+    match chunk.event {
+        None | Some(Event::Other) => ChunkInfo {
+            tokens: chunk.choices.iter().map(Choice::tokens).sum(),
+            usage_completion_tokens: chunk.usage.and_then(|u| u.completion_tokens),
+            done: false,
+            error: chunk.error.is_some(),
+        },
+        Some(Event::Delta) => ChunkInfo {
+            tokens: u64::from(chunk.delta.0),
+            ..ChunkInfo::default()
+        },
+        Some(end @ (Event::Finished | Event::Failed)) => ChunkInfo {
+            usage_completion_tokens: chunk
+                .response
+                .and_then(|r| r.usage)
+                .and_then(|u| u.output_tokens),
+            done: true,
+            error: end == Event::Failed,
+            ..ChunkInfo::default()
+        },
+        Some(Event::Error) => ChunkInfo {
+            error: true,
+            ..ChunkInfo::default()
+        },
     }
 }
 
@@ -137,6 +165,15 @@ struct Chunk {
     usage: Option<Usage>,
     #[serde(default)]
     error: Option<IgnoredAny>,
+    /// A Responses event's `type`.
+    #[serde(default, rename = "type")]
+    event: Option<Event>,
+    /// A Responses delta event's text.
+    #[serde(default)]
+    delta: NonEmpty,
+    /// The response of a Responses `response.*` event.
+    #[serde(default)]
+    response: Option<ResponseSkeleton>,
 }
 
 #[derive(Deserialize)]
@@ -288,6 +325,36 @@ mod tests {
         assert!(info.error);
         assert_eq!(chunk_info(b"not json"), ChunkInfo::default());
         assert!(chunk_info(b" [DONE] ").done);
+    }
+
+    #[test]
+    fn a_responses_stream_counts_deltas_and_ends_at_completed() {
+        let stream = concat!(
+            "event: response.created\n",
+            "data: {\"type\":\"response.created\",\"response\":{\"id\":\"r1\",\"status\":\"in_progress\",\"usage\":null}}\n\n",
+            "event: response.output_text.delta\n",
+            "data: {\"type\":\"response.output_text.delta\",\"item_id\":\"m1\",\"delta\":\"Hel\"}\n\n",
+            "event: response.output_text.delta\n",
+            "data: {\"type\":\"response.output_text.delta\",\"delta\":\"\"}\n\n",
+            "data: {\"type\":\"response.function_call_arguments.delta\",\"delta\":\"{\\\"a\"}\n\n",
+            "data: {\"type\":\"response.output_text.done\",\"text\":\"Hello\"}\n\n",
+            "event: response.completed\n",
+            "data: {\"type\":\"response.completed\",\"response\":{\"output\":[{\"type\":\"message\"}],",
+            "\"usage\":{\"input_tokens\":5,\"output_tokens\":7,\"total_tokens\":12}}}\n\n",
+        );
+        let outcome = SseScanner::new().scan(stream.as_bytes());
+        assert_eq!(
+            outcome,
+            ScanOutcome {
+                tokens: 2,
+                usage_completion_tokens: Some(7),
+                done: true,
+                error: false,
+            }
+        );
+        let failed = chunk_info(br#"{"type":"response.failed","response":{"usage":null}}"#);
+        assert!(failed.done && failed.error);
+        assert!(chunk_info(br#"{"type":"error","message":"boom"}"#).error);
     }
 
     #[test]
