@@ -17,10 +17,12 @@
 //! ```
 //!
 //! ## What it serves (vLLM's shapes; `protocol.rs` has them)
-//! `POST /v1/completions` and `POST /v1/chat/completions`, streaming (SSE) or not, with
-//! `usage.prompt_tokens_details.cached_tokens`; `POST /tokenize`, `POST /detokenize`,
+//! `POST /v1/completions` and `POST /v1/chat/completions` (`n` choices, `tools` accepted),
+//! streaming (SSE, usage on the last chunk with `stream_options.include_usage`) or not, with
+//! `usage.prompt_tokens_details.cached_tokens`; `POST /v1/responses` (OpenAI's Responses API,
+//! its `event:` stream included: `responses.rs`); `POST /tokenize`, `POST /detokenize`,
 //! `GET /health`, `GET /v1/models`, `GET /metrics` (vLLM's running/waiting/KV-usage gauges).
-//! Every answer is `max_tokens` tokens long (default 16).
+//! Every answer is `max_tokens` tokens long (default 16), as with `ignore_eos`.
 //!
 //! ## The model
 //! - **Engine**: a [`kvroute_sim::Engine`] (KV pool with prefix caching and LRU eviction,
@@ -41,14 +43,15 @@
 //! PUB socket stopped), [`MockEngine::set_unhealthy`], [`MockEngine::set_first_token_delay`],
 //! [`MockEngine::requests_served`], [`MockEngine::in_flight`], [`MockEngine::recent_requests`].
 //!
-//! Files: `engine_loop.rs` (the real-time loop and its KV events), `generate.rs` (the two
-//! generation routes, streaming), `http.rs` (the other routes, the server and its connections),
-//! `protocol.rs` (the JSON), `tokenizer.rs`.
+//! Files: `engine_loop.rs` (the real-time loop and its KV events), `generate.rs` (the
+//! generation routes, streaming), `responses.rs` (the Responses API's shapes), `http.rs` (the
+//! other routes, the server and its connections), `protocol.rs` (the JSON), `tokenizer.rs`.
 
 mod engine_loop;
 mod generate;
 mod http;
 mod protocol;
+mod responses;
 pub mod tokenizer;
 
 use crate::fake_engine::FakeEngine;

@@ -147,6 +147,9 @@ pub(crate) struct CompletionRequest {
     pub n: Option<i64>,
     #[serde(default)]
     pub stream: Option<bool>,
+    /// Accepted as vLLM takes it; every answer is the maximum long anyway.
+    #[serde(default)]
+    pub min_tokens: Option<i64>,
     #[serde(default)]
     pub stream_options: Option<StreamOptions>,
     #[serde(default)]
@@ -167,6 +170,9 @@ pub(crate) struct ChatRequest {
     pub n: Option<i64>,
     #[serde(default)]
     pub stream: Option<bool>,
+    /// Accepted as vLLM takes it; every answer is the maximum long anyway.
+    #[serde(default)]
+    pub min_tokens: Option<i64>,
     #[serde(default)]
     pub stream_options: Option<StreamOptions>,
     #[serde(default)]
