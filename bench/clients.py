@@ -127,7 +127,9 @@ def read_guidellm(out):
         row[f"{ours}_p99_ms"] = num(dig(dist, "percentiles", "p99"))
     totals = dig(metrics, "request_totals") or dig(bench, "request_totals") or {}
     row["requests_ok"] = totals.get("successful")
-    row["requests_failed"] = (totals.get("errored") or 0) + (totals.get("incomplete") or 0)
+    row["requests_failed"] = totals.get("errored") or 0
+    # In flight when the duration ran out: guidellm cancels them (the client leaves).
+    row["requests_cut"] = totals.get("incomplete") or 0
     row["output_tokens_per_s"] = num(dig(metrics, "output_tokens_per_second", "successful", "mean"))
     return row
 
@@ -180,14 +182,15 @@ def summarize(args):
     with open(args.out_json, "w") as f:
         json.dump({"meta": meta, "runs": rows, "problems": problems}, f, indent=2)
     lines = [
-        "| tool | requests ok | failed | TTFT mean / p50 / p99 ms | ITL mean / p50 / p99 ms "
-        "| output tok/s | bookings left |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| tool | requests ok / failed / cut at the end | TTFT mean / p50 / p99 ms "
+        "| ITL mean / p50 / p99 ms | output tok/s | bookings left |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         ttft = " / ".join(fmt(r.get(f"ttft_{q}_ms"), 1) for q in ("mean", "p50", "p99"))
         itl = " / ".join(fmt(r.get(f"itl_{q}_ms"), 2) for q in ("mean", "p50", "p99"))
-        lines.append(f"| {r['tool']} | {fmt(r.get('requests_ok'))} | {fmt(r.get('requests_failed'))} "
+        counts = " / ".join(fmt(r.get(k, 0)) for k in ("requests_ok", "requests_failed", "requests_cut"))
+        lines.append(f"| {r['tool']} | {counts} "
                      f"| {ttft} | {itl} | {fmt(r.get('output_tokens_per_s'))} "
                      f"| {fmt(r.get('bookings_left'))} |")
     lines.append("")

@@ -21,7 +21,8 @@
 #
 # Each tool gets fresh engines and a fresh gateway (empty prefix caches) and runs under
 # `timeout`; the script exits non-zero when a tool failed, reported an error, or left a booking.
-# Writes bench/results/clients-<UTC start>.json and .md (the table) and prints the table.
+# Writes bench/results/clients-<UTC start>.json and .md (the table) and prints the table;
+# KEEP_WORKDIR=1 keeps the tools' own reports and logs (the path is printed).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/.." && pwd)"
@@ -64,7 +65,7 @@ cleanup() {
     kill -9 "$p" 2>/dev/null || true
   done
   wait 2>/dev/null || true
-  rm -rf "$workdir"
+  if [ -n "${KEEP_WORKDIR:-}" ]; then echo "kept $workdir" >&2; else rm -rf "$workdir"; fi
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
@@ -164,16 +165,19 @@ run_tool() { # tool out
         --num-prefix-prompts "$PREFIXES" --prefix-prompt-length "$PREFIX_TOKENS" \
         --isl "$USER_TOKENS" --isl-stddev 0 --osl "$OUTPUT_TOKENS" --osl-stddev 0 \
         --extra-inputs ignore_eos:true --extra-inputs "min_tokens:$OUTPUT_TOKENS" \
+        --num-dataset-entries $((RATE * DURATION + 16)) \
         --request-rate "$RATE" --benchmark-duration "$DURATION" --benchmark-grace-period 30 \
         --random-seed "$SEED" --request-timeout-seconds "$REQUEST_TIMEOUT" \
         --no-server-metrics --no-gpu-telemetry --ui-type none --artifact-dir "$out"
       ;;
     guidellm)
-      "$venv/bin/guidellm" benchmark run --target "$server_url" --model "$MODEL" \
-        --processor "$tokenizer" --request-type chat_completions \
-        --data "{\"prefix_buckets\": [{\"prefix_tokens\": $PREFIX_TOKENS, \"prefix_count\": $PREFIXES}], \"prompt_tokens\": $USER_TOKENS, \"output_tokens\": $OUTPUT_TOKENS}" \
-        --profile constant --rate "$RATE" --max-seconds "$DURATION" --random-seed "$SEED" \
-        --output-path "$out/guidellm.json" --disable-progress
+      "$venv/bin/guidellm" run \
+        --backend "kind=openai_http,target=$server_url,model=$MODEL,request_format=/v1/chat/completions" \
+        --tokenizer "kind=huggingface_auto,model=$tokenizer" \
+        --data "{\"kind\": \"synthetic_text\", \"prefix_tokens\": $PREFIX_TOKENS, \"prefix_count\": $PREFIXES, \"prompt_tokens\": $USER_TOKENS, \"output_tokens\": $OUTPUT_TOKENS}" \
+        --profile "kind=constant,rate=$RATE" --constraint "kind=max_duration,seconds=$DURATION" \
+        --seed "kind=static,value=$SEED" --output "kind=json,path=$out/guidellm.json" \
+        --disable-console-interactive
       ;;
     inference-perf)
       cat >"$out/config.yml" <<YAML

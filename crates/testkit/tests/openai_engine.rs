@@ -320,6 +320,18 @@ async fn streams_send_a_chunk_per_token_then_usage_then_done() {
     let streamed = stream(engine.addr(), "/v1/completions", &body, |_| true).await;
     assert_eq!(streamed.events.len(), 3);
     assert_eq!(streamed.events[2].1, "[DONE]");
+
+    // With continuous_usage_stats (vLLM's; guidellm asks for it): the usage so far on each.
+    let body = json!({"prompt": "Hello", "max_tokens": 3, "stream": true,
+                      "stream_options": {"include_usage": true, "continuous_usage_stats": true}});
+    let chunks = stream(engine.addr(), "/v1/completions", &body, |_| true)
+        .await
+        .json();
+    let counts: Vec<&Value> = chunks
+        .iter()
+        .map(|c| &c["usage"]["completion_tokens"])
+        .collect();
+    assert_eq!(counts, [&json!(1), &json!(2), &json!(3), &json!(3)]);
     engine.shutdown().await;
 }
 

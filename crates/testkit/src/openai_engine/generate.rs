@@ -53,6 +53,8 @@ struct Job {
     n: u32,
     stream: bool,
     include_usage: bool,
+    /// The usage so far on every token's chunk (`stream_options.continuous_usage_stats`).
+    continuous_usage: bool,
     /// A response's `instructions`, echoed in its object.
     instructions: Option<String>,
 }
@@ -64,7 +66,8 @@ pub(crate) async fn completions(State(state): State<Arc<AppState>>, body: Body) 
         let request: CompletionRequest = parse(&body)?;
         check_model(&state, request.model.as_deref())?;
         let n = choices(request.n)?;
-        let (stream, include_usage) = streaming(request.stream, request.stream_options.as_ref())?;
+        let (stream, include_usage, continuous_usage) =
+            streaming(request.stream, request.stream_options.as_ref())?;
         let max_tokens = max_tokens(request.max_tokens, state.default_max_tokens)?;
         check_min_tokens(request.min_tokens, max_tokens)?;
         let prompt = match PromptIn::from_value(request.prompt)? {
@@ -83,6 +86,7 @@ pub(crate) async fn completions(State(state): State<Arc<AppState>>, body: Body) 
             n,
             stream,
             include_usage,
+            continuous_usage,
             instructions: None,
         })
     }
@@ -100,7 +104,8 @@ pub(crate) async fn chat_completions(State(state): State<Arc<AppState>>, body: B
         let request: ChatRequest = parse(&body)?;
         check_model(&state, request.model.as_deref())?;
         let n = choices(request.n)?;
-        let (stream, include_usage) = streaming(request.stream, request.stream_options.as_ref())?;
+        let (stream, include_usage, continuous_usage) =
+            streaming(request.stream, request.stream_options.as_ref())?;
         let max_tokens = max_tokens(
             request.max_completion_tokens.or(request.max_tokens),
             state.default_max_tokens,
@@ -121,6 +126,7 @@ pub(crate) async fn chat_completions(State(state): State<Arc<AppState>>, body: B
             n,
             stream,
             include_usage,
+            continuous_usage,
             instructions: None,
         })
     }
@@ -149,6 +155,7 @@ pub(crate) async fn responses(State(state): State<Arc<AppState>>, body: Body) ->
             n: 1,
             stream: request.stream.unwrap_or(false),
             include_usage: false,
+            continuous_usage: false,
             instructions: request.instructions,
         })
     }
@@ -216,11 +223,12 @@ fn check_min_tokens(min_tokens: Option<i64>, max_tokens: u32) -> Result<(), ApiE
     }
 }
 
-/// `(stream, include_usage)`; stream options without streaming are vLLM's 400.
+/// `(stream, include_usage, continuous_usage)`; stream options without streaming are vLLM's
+/// 400.
 fn streaming(
     stream: Option<bool>,
     options: Option<&StreamOptions>,
-) -> Result<(bool, bool), ApiError> {
+) -> Result<(bool, bool, bool), ApiError> {
     let stream = stream.unwrap_or(false);
     if options.is_some() && !stream {
         return Err(ApiError::bad_request(
@@ -228,7 +236,10 @@ fn streaming(
         ));
     }
     let include_usage = options.and_then(|o| o.include_usage).unwrap_or(false);
-    Ok((stream, include_usage))
+    let continuous = options
+        .and_then(|o| o.continuous_usage_stats)
+        .unwrap_or(false);
+    Ok((stream, include_usage, continuous))
 }
 
 fn max_tokens(requested: Option<i64>, default: u32) -> Result<u32, ApiError> {
@@ -519,7 +530,7 @@ impl Answer {
                             finish_reason,
                             stop_reason: None,
                         }],
-                        usage: None,
+                        usage: self.chunk_usage(),
                     },
                 ),
                 Route::Chat => {
@@ -560,8 +571,13 @@ impl Answer {
                 logprobs: None,
                 finish_reason,
             }],
-            usage: None,
+            usage: self.chunk_usage(),
         }
+    }
+
+    /// A token's chunk's usage: the usage so far with `continuous_usage_stats`, else none.
+    fn chunk_usage(&self) -> Option<Usage> {
+        self.job.continuous_usage.then(|| self.usage())
     }
 
     fn push_usage_chunk(&self, out: &mut Vec<u8>) {

@@ -131,6 +131,9 @@ pub(crate) fn parse<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, ApiErro
 pub(crate) struct StreamOptions {
     #[serde(default)]
     pub include_usage: Option<bool>,
+    /// vLLM's: the usage so far on every chunk too (guidellm asks for it).
+    #[serde(default)]
+    pub continuous_usage_stats: Option<bool>,
 }
 
 /// `POST /v1/completions`.
