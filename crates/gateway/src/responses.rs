@@ -7,7 +7,7 @@
 //!
 //! | item | chat message |
 //! |---|---|
-//! | `{"role", "content"}` (`"type": "message"` or none) | the same role; text parts (`input_text`, `output_text`, `text`) become text parts |
+//! | `{"role", "content"}` (`"type": "message"` or none) | the same role; its text parts (`input_text`, `output_text`, `text`) joined by newlines, as vLLM joins a chat's text parts for a template |
 //! | `{"type": "function_call", "call_id", "name", "arguments"}` | an assistant message with that tool call |
 //! | `{"type": "function_call_output", "call_id", "output"}` | a `tool` message |
 //!
@@ -96,19 +96,17 @@ fn item_message(item: &Value) -> Option<Value> {
     }
 }
 
-/// A message's content: a string as it is; parts with text as chat text parts.
+/// A message's content: a string as it is; the text of its parts joined by newlines (parts
+/// without text, as images, add nothing).
 fn content(content: &Value) -> Value {
     let Value::Array(parts) = content else {
         return content.clone();
     };
-    let parts: Vec<Value> = parts
+    let texts: Vec<&str> = parts
         .iter()
-        .filter_map(|part| {
-            let text = part.get("text")?.as_str()?;
-            Some(json!({"type": "text", "text": text}))
-        })
+        .filter_map(|part| part.get("text")?.as_str())
         .collect();
-    Value::Array(parts)
+    Value::String(texts.join("\n"))
 }
 
 /// The chat shape of a response's `tools`.
@@ -156,7 +154,8 @@ mod tests {
     fn items_become_chat_messages() {
         let input = json!([
             {"role": "user", "content": [{"type": "input_text", "text": "weather?"},
-                                         {"type": "input_image", "image_url": "x"}]},
+                                         {"type": "input_image", "image_url": "x"},
+                                         {"type": "input_text", "text": "in Paris"}]},
             {"type": "reasoning", "summary": []},
             {"type": "function_call", "call_id": "c1", "name": "get", "arguments": "{}"},
             {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
@@ -166,14 +165,14 @@ mod tests {
         assert_eq!(messages.len(), 4);
         assert_eq!(
             messages[0],
-            json!({"role": "user", "content": [{"type": "text", "text": "weather?"}]})
+            json!({"role": "user", "content": "weather?\nin Paris"})
         );
         assert_eq!(messages[1]["tool_calls"][0]["function"]["name"], "get");
         assert_eq!(
             messages[2],
             json!({"role": "tool", "tool_call_id": "c1", "content": "sunny"})
         );
-        assert_eq!(messages[3]["content"][0]["text"], "It is sunny.");
+        assert_eq!(messages[3]["content"], "It is sunny.");
     }
 
     #[test]

@@ -74,7 +74,11 @@ async fn handle(gateway: &Gateway, kind: Kind, request: Request) -> Result<Respo
         .model
         .clone()
         .unwrap_or_else(|| gateway.config.default_model.clone());
-    let prompt = if gateway.policy.reads_prompt() {
+    // A response whose input holds no message (only references to stored items, say) has
+    // nothing to render: it is routed by its length.
+    let has_prompt =
+        kind != Kind::Responses || parsed.messages.as_ref().is_some_and(|m| !m.is_empty());
+    let prompt = if gateway.policy.reads_prompt() && has_prompt {
         let remote_endpoints = || {
             let refused = gateway.health.refused();
             gateway
