@@ -152,7 +152,8 @@ def read_inference_perf(out):
     return row
 
 
-READERS = {"aiperf": read_aiperf, "guidellm": read_guidellm, "inference-perf": read_inference_perf}
+READERS = {"aiperf": read_aiperf, "guidellm": read_guidellm, "guidellm-responses": read_guidellm,
+           "inference-perf": read_inference_perf}
 
 
 def fmt(v, digits=0):

@@ -9,6 +9,7 @@
 #
 #   bash bench/clients.sh                               # builds kvroute (release) first
 #   KVROUTE_BIN=target/release/kvroute TOOLS="aiperf guidellm" DURATION=20 bash bench/clients.sh
+#   TOOLS="guidellm-responses" ...                      # guidellm through POST /v1/responses
 #
 # Offline: the tools size their prompts with a Hugging Face tokenizer, which the script writes
 # (one token per character; bench/gateway_aiperf.py tokenizer) as a hub cache entry,
@@ -170,9 +171,12 @@ run_tool() { # tool out
         --random-seed "$SEED" --request-timeout-seconds "$REQUEST_TIMEOUT" \
         --no-server-metrics --no-gpu-telemetry --ui-type none --artifact-dir "$out"
       ;;
-    guidellm)
+    guidellm | guidellm-responses)
+      # guidellm-responses: the same through POST /v1/responses (OpenAI's Responses API).
+      local route=/v1/chat/completions
+      if [ "$tool" = guidellm-responses ]; then route=/v1/responses; fi
       "$venv/bin/guidellm" run \
-        --backend "kind=openai_http,target=$server_url,model=$MODEL,request_format=/v1/chat/completions" \
+        --backend "kind=openai_http,target=$server_url,model=$MODEL,request_format=$route" \
         --tokenizer "kind=huggingface_auto,model=$tokenizer" \
         --data "{\"kind\": \"synthetic_text\", \"prefix_tokens\": $PREFIX_TOKENS, \"prefix_count\": $PREFIXES, \"prompt_tokens\": $USER_TOKENS, \"output_tokens\": $OUTPUT_TOKENS}" \
         --profile "kind=constant,rate=$RATE" --constraint "kind=max_duration,seconds=$DURATION" \
@@ -204,7 +208,7 @@ YAML
       "$venv/bin/inference-perf" --config_file "$out/config.yml"
       ;;
     *)
-      echo "unknown tool $tool (aiperf, guidellm, inference-perf)" >&2
+      echo "unknown tool $tool (aiperf, guidellm, guidellm-responses, inference-perf)" >&2
       return 2
       ;;
   esac
