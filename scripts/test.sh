@@ -8,7 +8,8 @@ cd "$(dirname "$0")/.."
 bash scripts/deps.sh # nats-server and chromium, when missing (Debian packages)
 
 # Python binding (crates/py): build the kvroute wheel with maturin (debug profile: quick to build,
-# and the tests do not need speed), install it into a virtualenv and run its pytest suite. The
+# and the tests do not need speed), install it into a virtualenv and run its pytest suite; then
+# the gateway driven by the official `openai` SDK (crates/gateway/tests/openai_sdk). The
 # virtualenv is $KVROUTE_PY_VENV or ./.venv when one exists there, else a new ./.venv. Its
 # packages install from the network while the Rust tests build and run.
 py_venv=""
@@ -24,7 +25,7 @@ if [ -z "$py_venv" ]; then
 fi
 py="$(cd "$py_venv" && pwd)/bin/python"
 "$py" -m pip install --quiet --disable-pip-version-check \
-    maturin pytest pytest-asyncio pyzmq msgspec &
+    maturin pytest pytest-asyncio pyzmq msgspec openai &
 pip_pid=$!
 trap 'kill "$pip_pid" 2>/dev/null || true' EXIT
 
@@ -53,4 +54,12 @@ if [ "$pytest_status" -ne 0 ]; then
     # 5: pytest collected no tests, which must not pass for a green run either.
     echo "crates/py pytest failed (exit $pytest_status)" >&2
     exit "$pytest_status"
+fi
+# The gateway and mock engines as processes (target/debug/kvroute, built by the Rust tests),
+# driven by the openai SDK.
+sdk_status=0
+(cd crates/gateway/tests/openai_sdk && "$py" -m pytest -p no:cacheprovider) || sdk_status=$?
+if [ "$sdk_status" -ne 0 ]; then
+    echo "crates/gateway/tests/openai_sdk pytest failed (exit $sdk_status)" >&2
+    exit "$sdk_status"
 fi

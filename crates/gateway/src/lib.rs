@@ -1,10 +1,10 @@
 //! # kvroute-gateway
 //!
 //! `kvroute gateway`: an OpenAI-compatible front (`/v1/completions`, `/v1/chat/completions`,
-//! `/v1/models`) for plain vLLM or SGLang workers, that drives each request's booking itself.
-//! It serves beside the selection service's own routes, on the same port and behind the same
-//! guard (API key, shutdown, metrics), and selects in process through the service's handle,
-//! `kvroute_service::Service`.
+//! `/v1/responses`, `/v1/models`) for plain vLLM or SGLang workers, that drives each request's
+//! booking itself. It serves beside the selection service's own routes, on the same port and
+//! behind the same guard (API key, shutdown, metrics), and selects in process through the
+//! service's handle, `kvroute_service::Service`.
 //!
 //! A request's path: the body is parsed only for `model`, `stream`, the prompt and the token
 //! limits ([`openai`]); the prompt is tokenized once ([`tokenize`]) so its block hashes are the
@@ -29,7 +29,8 @@
 //! | module | concern |
 //! |---|---|
 //! | [`error`] | `GatewayError`: OpenAI's error shape, and a stream's last event |
-//! | [`openai`] | the routes' paths and the few request fields the gateway reads |
+//! | [`responses`] | a Responses API request's prompt as chat messages (routing only) |
+//! | [`openai`] | the routes' paths and the few request fields the gateway reads; bad fields' 400s |
 //! | [`usage`] | an answer's prompt counts (`usage`), streamed or whole |
 //! | [`sse`] | counting a stream's tokens without copying its text |
 //! | [`breaker`] | one worker's circuit breaker (pure: time is an argument) |
@@ -62,6 +63,7 @@ pub mod openai;
 pub mod pd;
 pub mod policy;
 pub mod proxy;
+pub mod responses;
 pub mod routes;
 pub mod sse;
 pub mod tokenize;

@@ -3,7 +3,8 @@
 //!
 //! A streamed response's frames pass through an [`SseScanner`]: the first frame with a token
 //! calls `prefill_complete`, every `block_size` tokens an `output_block`. The stream ends in one
-//! of four ways, each freeing the booking: the engine's body ends (`complete`); the engine's
+//! of four ways, each freeing the booking: the engine's body ends, or before it the stream's
+//! last event (`[DONE]`, a response's `response.completed`) comes (`complete`); the engine's
 //! body fails, as when the engine dies (`upstream_error`: the client gets an error event, then
 //! `[DONE]`); the first token or the request's deadline passes (`timeout`, the same); or the
 //! client goes away, and the server drops this body (`client_gone`). A response that is not a
@@ -109,6 +110,15 @@ impl ProxyBody {
         }
         if let Some(total) = outcome.usage_completion_tokens {
             booking.set_generated(total);
+        }
+        if outcome.done {
+            // `[DONE]` or a response's `response.completed`: the engine is done with the
+            // request, whatever bytes of the stream are still on their way.
+            self.first_token = None;
+            if let Some(mut booking) = self.booking.take() {
+                booking.free();
+                self.health.metrics().ended("complete");
+            }
         }
     }
 

@@ -1,14 +1,16 @@
 //! The gateway's routes: `POST /v1/completions`, `POST /v1/chat/completions`,
-//! `GET /v1/models`, served beside the selection service's own routes.
+//! `POST /v1/responses`, `GET /v1/models`, served beside the selection service's own routes.
 //!
-//! A completion: read the body (the service's limit and read timeout), parse the few fields
-//! the gateway needs (`crate::openai`), tokenize the prompt once when the policy reads it
-//! (`crate::tokenize`), then book a worker and forward (`crate::upstream`).
+//! A completion: read the body (the service's limit and read timeout), parse and check the few
+//! fields the gateway needs (`crate::openai`: a bad one is a 400 naming it), tokenize the prompt
+//! once when the policy reads it (`crate::tokenize`; a response's input as chat messages,
+//! `crate::responses`), then book a worker and forward (`crate::upstream`).
 
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::openai::{Kind, OpenAiRequest, route};
 use crate::pd;
+use crate::responses;
 use crate::tokenize::RoutingPrompt;
 use crate::upstream::{self, Outbound};
 use axum::Router;
@@ -26,6 +28,7 @@ impl Gateway {
         let router = Router::new()
             .route(route::COMPLETIONS, post(completions))
             .route(route::CHAT_COMPLETIONS, post(chat_completions))
+            .route(route::RESPONSES, post(responses))
             .route(route::MODELS, get(models))
             .with_state(Arc::clone(self));
         ExtraRoutes {
@@ -59,11 +62,25 @@ async fn handle(gateway: &Gateway, kind: Kind, request: Request) -> Result<Respo
     let request_id = request.headers().get("x-request-id").cloned();
     let body = gateway.link.read_body(request).await?;
     let mut parsed = OpenAiRequest::parse(&body)?;
+    parsed.validate(kind)?;
+    if kind == Kind::Responses {
+        // Routed as the chat the engine will render from it.
+        let input = parsed.input.take().unwrap_or_default();
+        parsed.messages = Some(responses::chat_messages(
+            parsed.instructions.as_deref(),
+            &input,
+        ));
+        parsed.tools = parsed.tools.as_ref().map(responses::chat_tools);
+    }
     let model = parsed
         .model
         .clone()
         .unwrap_or_else(|| gateway.config.default_model.clone());
-    let prompt = if gateway.policy.reads_prompt() {
+    // A response whose input holds no message (only references to stored items, say) has
+    // nothing to render: it is routed by its length.
+    let has_prompt =
+        kind != Kind::Responses || parsed.messages.as_ref().is_some_and(|m| !m.is_empty());
+    let prompt = if gateway.policy.reads_prompt() && has_prompt {
         let remote_endpoints = || {
             let refused = gateway.health.refused();
             gateway
@@ -106,6 +123,12 @@ async fn completions(State(gateway): State<Arc<Gateway>>, request: Request) -> R
 
 async fn chat_completions(State(gateway): State<Arc<Gateway>>, request: Request) -> Response {
     handle(&gateway, Kind::Chat, request)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn responses(State(gateway): State<Arc<Gateway>>, request: Request) -> Response {
+    handle(&gateway, Kind::Responses, request)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }

@@ -120,7 +120,7 @@ async fn book(
     let request = BookRequest {
         model: out.model,
         prompt: out.prompt,
-        expected_output_tokens: out.parsed.expected_output_tokens(),
+        expected_output_tokens: out.parsed.booked_output_tokens(),
         cache_salt: out.parsed.cache_salt.clone(),
         allowed_worker_ids: choice.allowed_worker_ids,
         pinned_worker: choice.pinned_worker,

@@ -320,6 +320,144 @@ async fn streams_send_a_chunk_per_token_then_usage_then_done() {
     let streamed = stream(engine.addr(), "/v1/completions", &body, |_| true).await;
     assert_eq!(streamed.events.len(), 3);
     assert_eq!(streamed.events[2].1, "[DONE]");
+
+    // With continuous_usage_stats (vLLM's; guidellm asks for it): the usage so far on each.
+    let body = json!({"prompt": "Hello", "max_tokens": 3, "stream": true,
+                      "stream_options": {"include_usage": true, "continuous_usage_stats": true}});
+    let chunks = stream(engine.addr(), "/v1/completions", &body, |_| true)
+        .await
+        .json();
+    let counts: Vec<&Value> = chunks
+        .iter()
+        .map(|c| &c["usage"]["completion_tokens"])
+        .collect();
+    assert_eq!(counts, [&json!(1), &json!(2), &json!(3), &json!(3)]);
+    engine.shutdown().await;
+}
+
+#[tokio::test]
+async fn n_choices_share_one_generation_and_the_usage_counts_each() {
+    let engine = start(fast()).await;
+    let body = json!({"prompt": "Hello", "max_tokens": 3, "n": 2, "min_tokens": 3,
+                      "ignore_eos": true});
+    let (status, answer) = post(engine.addr(), "/v1/completions", &body).await;
+    assert_eq!(status, 200, "{answer}");
+    let choices = answer["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2);
+    for (i, choice) in choices.iter().enumerate() {
+        assert_eq!(choice["index"], i);
+        assert_eq!(choice["text"], OUTPUT_TEXT[..3]);
+    }
+    assert_usage(&answer["usage"], 5, 6, 0);
+    let body = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "n": 3,
+                      "stream": true, "stream_options": {"include_usage": true},
+                      "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]});
+    let chunks = stream(engine.addr(), "/v1/chat/completions", &body, |_| true)
+        .await
+        .json();
+    // Per choice: the role and 2 tokens; then the usage.
+    assert_eq!(chunks.len(), 3 * 3 + 1);
+    for index in 0..3 {
+        let text: String = chunks
+            .iter()
+            .filter(|c| c["choices"][0]["index"] == index)
+            .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+            .collect();
+        assert_eq!(text, OUTPUT_TEXT[..2], "choice {index}");
+    }
+    assert_eq!(chunks[9]["usage"]["completion_tokens"], 6);
+    engine.shutdown().await;
+}
+
+#[tokio::test]
+async fn responses_answer_in_the_responses_api_shapes() {
+    let engine = start(fast()).await;
+    let body = json!({"model": "default", "instructions": "Be brief.", "input": "Hi",
+                      "max_output_tokens": 4});
+    let (status, answer) = post(engine.addr(), "/v1/responses", &body).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["object"], "response");
+    assert_eq!(answer["status"], "completed");
+    assert_eq!(answer["instructions"], "Be brief.");
+    let item = &answer["output"][0];
+    assert_eq!(
+        (&item["type"], &item["role"]),
+        (&json!("message"), &json!("assistant"))
+    );
+    assert_eq!(item["content"][0]["type"], "output_text");
+    assert_eq!(item["content"][0]["text"], OUTPUT_TEXT[..4]);
+    // The prompt is the chat of the instructions and the input, as /tokenize renders it.
+    let (_, tokenized) = post(
+        engine.addr(),
+        "/tokenize",
+        &json!({"messages": [{"role": "system", "content": "Be brief."},
+                             {"role": "user", "content": "Hi"}]}),
+    )
+    .await;
+    let usage = &answer["usage"];
+    assert_eq!(usage["input_tokens"], tokenized["count"]);
+    assert_eq!(usage["output_tokens"], 4);
+    assert_eq!(
+        usage["total_tokens"],
+        tokenized["count"].as_u64().unwrap() + 4
+    );
+    assert_eq!(usage["input_tokens_details"]["cached_tokens"], 0);
+
+    // Streamed: `event:` lines, numbered events, a delta per token, the usage at the end.
+    let body = json!({"instructions": "Be brief.", "max_output_tokens": 3, "stream": true,
+                      "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}]});
+    let mut connection = Connection::open(engine.addr()).await;
+    let (status, bytes) = connection
+        .call("POST", "/v1/responses", body.to_string().as_bytes())
+        .await;
+    assert_eq!(status, 200);
+    let text = String::from_utf8(bytes).unwrap();
+    let events: Vec<(String, Value)> = text
+        .split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| {
+            let (head, data) = e.split_once('\n').unwrap();
+            let kind = head.strip_prefix("event: ").unwrap().to_string();
+            let data: Value = serde_json::from_str(data.strip_prefix("data: ").unwrap()).unwrap();
+            assert_eq!(data["type"], kind.as_str());
+            (kind, data)
+        })
+        .collect();
+    let kinds: Vec<&str> = events.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(
+        kinds,
+        [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added",
+            "response.output_text.delta",
+            "response.output_text.delta",
+            "response.output_text.delta",
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.completed",
+        ]
+    );
+    for (i, (_, data)) in events.iter().enumerate() {
+        assert_eq!(data["sequence_number"], i);
+    }
+    let deltas: String = events[4..7]
+        .iter()
+        .map(|(_, d)| d["delta"].as_str().unwrap())
+        .collect();
+    assert_eq!(deltas, OUTPUT_TEXT[..3]);
+    let completed = &events[10].1["response"];
+    assert_eq!(completed["status"], "completed");
+    assert_eq!(completed["usage"]["output_tokens"], 3);
+    // The second time, the same prompt is served from the cache.
+    assert!(
+        completed["usage"]["input_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
     engine.shutdown().await;
 }
 
@@ -697,9 +835,21 @@ async fn bad_requests_get_openai_errors() {
         ),
         (
             "/v1/completions",
-            r#"{"prompt": "x", "n": 2}"#,
+            r#"{"prompt": "x", "n": 0}"#,
             400,
-            "n = 2",
+            "n must be at least 1, got 0.",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "x", "max_tokens": 2, "min_tokens": 3}"#,
+            400,
+            "min_tokens must be less than or equal to max_tokens=2, got 3.",
+        ),
+        (
+            "/v1/responses",
+            r#"{"input": []}"#,
+            400,
+            "input must be a non-empty string",
         ),
         (
             "/v1/completions",

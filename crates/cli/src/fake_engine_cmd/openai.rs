@@ -1,8 +1,8 @@
 //! `kvroute fake-engine --openai --port P`: a mock OpenAI-compatible engine
 //! ([`kvroute_testkit::openai_engine::MockEngine`]): vLLM's routes (`/v1/completions`,
-//! `/v1/chat/completions`, `/tokenize`, `/health`, `/v1/models`) over the simulator's engine
-//! model, streaming at its modelled pace and publishing its KV events on `--bind`. It serves
-//! until SIGINT or SIGTERM (`--duration` and the script flags do not apply).
+//! `/v1/chat/completions`, `/v1/responses`, `/tokenize`, `/health`, `/v1/models`) over the
+//! simulator's engine model, streaming at its modelled pace and publishing its KV events on
+//! `--bind`. It serves until SIGINT or SIGTERM (`--duration` and the script flags do not apply).
 
 use super::FakeEngineArgs;
 use crate::serve_cmd::shutdown_signal;
@@ -16,6 +16,7 @@ use std::io::Write;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 #[derive(Args, Debug)]
 #[command(next_help_heading = "Mock OpenAI engine (--openai)")]
@@ -80,6 +81,10 @@ pub struct OpenAiArgs {
     /// The SGLang prefill engine's bootstrap server port (0 picks one; the address is printed).
     #[arg(long, default_value_t = DEFAULT_BOOTSTRAP_PORT)]
     pub bootstrap_port: u16,
+    /// Hold every generation request this many milliseconds before the engine takes it: a slow
+    /// first token on demand (the gateway's tests use it to keep a booking in prefill).
+    #[arg(long, default_value_t = 0)]
+    pub first_token_delay_ms: u64,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -185,10 +190,15 @@ pub fn run(args: &FakeEngineArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    runtime.block_on(serve(config, addr))
+    let delay = Duration::from_millis(args.openai.first_token_delay_ms);
+    runtime.block_on(serve(config, addr, delay))
 }
 
-async fn serve(config: MockEngineConfig, addr: SocketAddr) -> ExitCode {
+async fn serve(
+    config: MockEngineConfig,
+    addr: SocketAddr,
+    first_token_delay: Duration,
+) -> ExitCode {
     let block_size = config.block_size;
     let role = config.pd.role;
     let protocol = config.pd.protocol;
@@ -199,6 +209,7 @@ async fn serve(config: MockEngineConfig, addr: SocketAddr) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    engine.set_first_token_delay(first_token_delay);
     println!(
         "kvroute fake-engine serving model {} on {} (OpenAI routes), KV events on {} (block size {block_size})",
         engine.model(),

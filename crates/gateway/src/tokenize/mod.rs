@@ -103,7 +103,7 @@ impl Tokenizers {
                 let prompt = request
                     .prompt
                     .take()
-                    .ok_or_else(|| GatewayError::invalid_param("prompt is required", "prompt"))?
+                    .ok_or_else(|| GatewayError::invalid_param("`prompt` is required", "prompt"))?
                     .single()?;
                 let text = match prompt {
                     Prompt::Tokens(ids) => return Ok(RoutingPrompt::Tokens(ids)),
@@ -119,13 +119,14 @@ impl Tokenizers {
                                   "add_special_tokens": add_special_tokens});
                 Ok(self.remotely(body, text.len(), remote_endpoints).await)
             }
-            Kind::Chat => {
+            // A response's input was turned into messages (`crate::responses`).
+            Kind::Chat | Kind::Responses => {
                 let messages = request.messages.as_deref().ok_or_else(|| {
-                    GatewayError::invalid_param("messages is required", "messages")
+                    GatewayError::invalid_param("`messages` is required", "messages")
                 })?;
                 if messages.is_empty() {
                     return Err(GatewayError::invalid_param(
-                        "messages must not be empty",
+                        "`messages` must not be empty",
                         "messages",
                     ));
                 }

@@ -3,7 +3,7 @@
 //! killed mid-stream ends the client's stream with an error and frees the booking.
 
 use crate::common::*;
-use kvroute_testkit::openai_engine::{MockEngine, MockEngineConfig};
+use kvroute_testkit::openai_engine::{MockEngine, MockEngineConfig, tokenizer};
 use serde_json::{Value, json};
 use std::time::Duration;
 
@@ -125,7 +125,7 @@ async fn an_engine_killed_mid_stream_ends_the_clients_stream_and_the_next_reques
     let client = client();
     let request = post_request(
         &gw.url("/v1/completions"),
-        &json!({"prompt": [1, 2, 3, 4], "max_tokens": 2000, "stream": true}),
+        &json!({"model": "default", "prompt": [1, 2, 3, 4], "max_tokens": 2000, "stream": true}),
         None,
     );
     let response = client.request(request).await.unwrap();
@@ -159,10 +159,100 @@ async fn an_engine_killed_mid_stream_ends_the_clients_stream_and_the_next_reques
     let (status, headers, _) = post(
         &client,
         &gw.url("/v1/completions"),
-        &json!({"prompt": [1, 2, 3, 4], "max_tokens": 2}),
+        &json!({"model": "default", "prompt": [1, 2, 3, 4], "max_tokens": 2}),
     )
     .await;
     assert_eq!(status, 200);
     assert_ne!(headers["x-kvroute-worker-id"].to_str().unwrap(), worker);
+    gw.assert_no_booking_left().await;
+}
+
+/// `POST /v1/responses`: routed as the chat of its input (remote tokenization gives the
+/// engine's own ids), so a repeat goes back to the engine that caches it; its `event:` stream
+/// passes through as the engine wrote it, and the booking is freed at `response.completed`.
+#[tokio::test]
+async fn a_response_is_routed_like_a_chat_and_its_events_pass_through() {
+    let engines = [engine(0.0).await, engine(0.0).await];
+    let flags: Vec<String> = engines.iter().map(worker_flag).collect();
+    let gw = TestGateway::start(
+        &[],
+        &[
+            "--worker",
+            &flags[0],
+            "--worker",
+            &flags[1],
+            "--tokenize",
+            "remote",
+            "--health-check-secs",
+            "0",
+        ],
+    )
+    .await;
+    for engine in &engines {
+        assert!(engine.wait_for_event_subscribers(1, WAIT).await);
+    }
+    let client = client();
+    let body = json!({"model": "default", "instructions": "Be brief.", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": prompt(3, 8)}]}],
+        "max_output_tokens": 5, "stream": true});
+    let (status, first, bytes) = post(&client, &gw.url("/v1/responses"), &body).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
+    let text = String::from_utf8(bytes.to_vec()).unwrap();
+    let kinds: Vec<&str> = text
+        .split("\n\n")
+        .filter_map(|event| event.strip_prefix("event: "))
+        .map(|event| event.split('\n').next().unwrap())
+        .collect();
+    assert_eq!(kinds.first(), Some(&"response.created"));
+    assert_eq!(kinds.last(), Some(&"response.completed"));
+    assert_eq!(
+        kinds
+            .iter()
+            .filter(|k| **k == "response.output_text.delta")
+            .count(),
+        5
+    );
+    gw.assert_no_booking_left().await;
+    // The engine's KV events of the rendered chat reach the index; the repeat goes back to it.
+    let worker = first["x-kvroute-worker-id"].clone();
+    let worker_id: u64 = worker.to_str().unwrap().parse().unwrap();
+    let messages =
+        [("system", "Be brief.".to_string()), ("user", prompt(3, 8))].map(|(role, content)| {
+            tokenizer::ChatMessage {
+                role: role.to_string(),
+                content,
+            }
+        });
+    let ids = engines[0]
+        .tokenizer()
+        .encode(&tokenizer::render_chat(&messages, true), false)
+        .unwrap();
+    eventually("the engine's KV events were applied", || {
+        let body: kvroute_service::types::PromptRouteBody =
+            serde_json::from_value(json!({"token_ids": ids})).unwrap();
+        let scores = kvroute_service::http::render::overlap_scores(
+            &kvroute_service::api::overlap_scores(&gw.state, body).unwrap(),
+        );
+        scores["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|w| w["worker_id"] == worker_id && w["device_blocks"].as_u64().unwrap() >= 8)
+    })
+    .await;
+    let body = json!({"model": "default", "instructions": "Be brief.", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": prompt(3, 8)}]}],
+        "max_output_tokens": 2});
+    let (status, again, bytes) = post(&client, &gw.url("/v1/responses"), &body).await;
+    assert_eq!(status, 200);
+    assert_eq!(again["x-kvroute-worker-id"], worker);
+    let answer: Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(answer["object"], "response");
+    assert!(
+        answer["usage"]["input_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            >= 128
+    );
     gw.assert_no_booking_left().await;
 }

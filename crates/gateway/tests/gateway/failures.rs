@@ -29,7 +29,7 @@ async fn a_worker_that_cannot_be_connected_to_is_skipped_for_the_next_best() {
         let (status, headers, bytes) = post(
             &client,
             &gw.url("/v1/completions"),
-            &json!({"prompt": [i, i + 1, i + 2], "max_tokens": 1}),
+            &json!({"model": "default", "prompt": [i, i + 1, i + 2], "max_tokens": 1}),
         )
         .await;
         assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
@@ -63,7 +63,7 @@ async fn a_worker_that_cannot_be_connected_to_is_skipped_for_the_next_best() {
     let (status, headers, bytes) = post(
         &client,
         &gw.url("/v1/completions"),
-        &json!({"prompt": [1, 2]}),
+        &json!({"model": "default", "prompt": [1, 2]}),
     )
     .await;
     assert_eq!(status, 503, "{}", String::from_utf8_lossy(&bytes));
@@ -92,7 +92,7 @@ async fn a_failing_worker_opens_its_breaker_and_a_probe_closes_it_again() {
     )
     .await;
     let client = client();
-    let completion = || json!({"prompt": [1, 2, 3], "max_tokens": 1});
+    let completion = || json!({"model": "default", "prompt": [1, 2, 3], "max_tokens": 1});
     for _ in 0..2 {
         let (status, _, _) = post(&client, &gw.url("/v1/completions"), &completion()).await;
         assert_eq!(status, 500, "the engine's answer passes through");
@@ -148,7 +148,12 @@ async fn health_checks_open_the_breaker_of_an_unhealthy_worker_and_close_it_when
     })
     .await;
     let client = client();
-    let (status, _, _) = post(&client, &gw.url("/v1/completions"), &json!({"prompt": [1]})).await;
+    let (status, _, _) = post(
+        &client,
+        &gw.url("/v1/completions"),
+        &json!({"model": "default", "prompt": [1]}),
+    )
+    .await;
     assert_eq!(status, 503);
     assert!(upstream.requests("/v1/completions").is_empty());
     upstream
@@ -160,7 +165,12 @@ async fn health_checks_open_the_breaker_of_an_unhealthy_worker_and_close_it_when
         gw.gateway.breakers().open_count() == 0
     })
     .await;
-    let (status, _, _) = post(&client, &gw.url("/v1/completions"), &json!({"prompt": [1]})).await;
+    let (status, _, _) = post(
+        &client,
+        &gw.url("/v1/completions"),
+        &json!({"model": "default", "prompt": [1]}),
+    )
+    .await;
     assert_eq!(status, 200);
     gw.assert_no_booking_left().await;
 }
@@ -172,7 +182,7 @@ async fn no_worker_is_a_503_and_busy_workers_are_a_429_with_retry_after() {
     let (status, headers, bytes) = post(
         &client,
         &gw.url("/v1/completions"),
-        &json!({"prompt": [1, 2]}),
+        &json!({"model": "default", "prompt": [1, 2]}),
     )
     .await;
     assert_eq!(status, 503, "{}", String::from_utf8_lossy(&bytes));
@@ -196,7 +206,7 @@ async fn no_worker_is_a_503_and_busy_workers_are_a_429_with_retry_after() {
     let first = tokio::spawn({
         let request = post_request(
             &gw.url("/v1/completions"),
-            &json!({"prompt": [1, 2, 3]}),
+            &json!({"model": "default", "prompt": [1, 2, 3]}),
             None,
         );
         let client = client.clone();
@@ -206,7 +216,7 @@ async fn no_worker_is_a_503_and_busy_workers_are_a_429_with_retry_after() {
     let (status, headers, bytes) = post(
         &client,
         &gw.url("/v1/completions"),
-        &json!({"prompt": [4, 5, 6]}),
+        &json!({"model": "default", "prompt": [4, 5, 6]}),
     )
     .await;
     assert_eq!(status, 429, "{}", String::from_utf8_lossy(&bytes));
@@ -229,7 +239,7 @@ async fn an_engines_429_reaches_the_client_with_its_retry_after() {
     let (status, headers, _) = post(
         &client,
         &gw.url("/v1/completions"),
-        &json!({"prompt": [1, 2], "stream": true}),
+        &json!({"model": "default", "prompt": [1, 2], "stream": true}),
     )
     .await;
     assert_eq!(status, 429);
@@ -273,7 +283,7 @@ async fn the_admission_queue_holds_requests_and_its_429_reaches_the_client() {
     let (status, headers, bytes) = post(
         &client,
         &gw.url("/v1/completions"),
-        &json!({"prompt": [1, 2, 3], "max_tokens": 2}),
+        &json!({"model": "default", "prompt": [1, 2, 3], "max_tokens": 2}),
     )
     .await;
     assert_eq!(status, 429, "{}", String::from_utf8_lossy(&bytes));
@@ -294,7 +304,7 @@ async fn the_admission_queue_holds_requests_and_its_429_reaches_the_client() {
     let waiting = tokio::spawn({
         let request = post_request(
             &gw.url("/v1/completions"),
-            &json!({"prompt": [4, 5, 6], "max_tokens": 2}),
+            &json!({"model": "default", "prompt": [4, 5, 6], "max_tokens": 2}),
             None,
         );
         let client = client.clone();

@@ -137,7 +137,7 @@ async fn a_chat_is_routed_by_the_tokens_of_its_rendered_template() {
     let (status, _, _) = post(
         &client,
         &gw.url("/v1/chat/completions"),
-        &json!({"messages": [{"role": "user", "content": "brief"}], "add_generation_prompt": false}),
+        &json!({"model": "default", "messages": [{"role": "user", "content": "brief"}], "add_generation_prompt": false}),
     )
     .await;
     assert_eq!(status, 200);
@@ -154,7 +154,7 @@ async fn a_chat_is_routed_by_the_tokens_of_its_rendered_template() {
     let (status, _, _) = post(
         &client,
         &gw.url("/v1/completions"),
-        &json!({"prompt": "world world hello hello", "max_tokens": 1}),
+        &json!({"model": "default", "prompt": "world world hello hello", "max_tokens": 1}),
     )
     .await;
     assert_eq!(status, 200);
@@ -183,7 +183,7 @@ async fn remote_tokenization_asks_the_workers_tokenize_route() {
     let (status, _, _) = post(
         &client,
         &gw.url("/v1/completions"),
-        &json!({"prompt": "abcd", "max_tokens": 1}),
+        &json!({"model": "default", "prompt": "abcd", "max_tokens": 1}),
     )
     .await;
     assert_eq!(status, 200);
@@ -196,7 +196,7 @@ async fn remote_tokenization_asks_the_workers_tokenize_route() {
     let (status, _, _) = post(
         &client,
         &gw.url("/v1/chat/completions"),
-        &json!({"messages": [{"role": "user", "content": "xy"}]}),
+        &json!({"model": "default", "messages": [{"role": "user", "content": "xy"}]}),
     )
     .await;
     assert_eq!(status, 200);
@@ -208,7 +208,7 @@ async fn remote_tokenization_asks_the_workers_tokenize_route() {
     let (status, _, _) = post(
         &client,
         &gw.url("/v1/completions"),
-        &json!({"prompt": [7, 8]}),
+        &json!({"model": "default", "prompt": [7, 8]}),
     )
     .await;
     assert_eq!(status, 200);
@@ -285,7 +285,7 @@ async fn the_api_key_guards_the_front_and_the_clients_key_stays_with_the_gateway
     )
     .await;
     let client = client();
-    let body = json!({"prompt": [1, 2]});
+    let body = json!({"model": "default", "prompt": [1, 2]});
     let (status, _, _) = post(&client, &gw.url("/v1/completions"), &body).await;
     assert_eq!(status, 401);
     let (status, _, _) = exchange(
@@ -383,21 +383,52 @@ async fn models_are_listed_and_bad_requests_get_openai_errors() {
     .await;
     assert_eq!(status, 200);
     assert_eq!(headers["x-kvroute-worker-id"], "9");
-    for (body, message) in [
-        (json!({"prompt": ["a", "b"]}), "batch of 2"),
-        (json!({"max_tokens": 3}), "prompt is required"),
+    // Bad bodies: 400s naming the field (`param`), none with `Retry-After`; an unknown model
+    // a 404.
+    for (body, status, param, message) in [
         (
-            json!({"prompt": [1], "stream": "yes"}),
-            "invalid request body",
+            json!({"model": "default", "prompt": ["a", "b"]}),
+            400,
+            "prompt",
+            "batch of 2",
+        ),
+        (
+            json!({"model": "default", "max_tokens": 3}),
+            400,
+            "prompt",
+            "`prompt` is required",
+        ),
+        (
+            json!({"model": "default", "prompt": [1], "stream": "yes"}),
+            400,
+            "stream",
+            "`stream` must be a boolean",
+        ),
+        (
+            json!({"model": "default", "prompt": [1], "max_tokens": -2}),
+            400,
+            "max_tokens",
+            "`max_tokens` must be an integer of at least 1",
+        ),
+        (
+            json!({"model": "default", "prompt": [1], "n": 0}),
+            400,
+            "n",
+            "`n` must be",
         ),
         (
             json!({"model": "nobody", "prompt": [1]}),
+            404,
+            "model",
             "The model `nobody` does not exist.",
         ),
     ] {
-        let (status, _, bytes) = post(&client, &gw.url("/v1/completions"), &body).await;
+        let (got, headers, bytes) = post(&client, &gw.url("/v1/completions"), &body).await;
         let error: Value = serde_json::from_slice(&bytes).unwrap();
-        assert!(status.is_client_error(), "{body}: {status}");
+        assert_eq!(got, status, "{body}: {error}");
+        assert!(headers.get("retry-after").is_none());
+        assert_eq!(error["error"]["param"], param, "{body}: {error}");
+        assert_eq!(error["error"]["type"], "invalid_request_error");
         assert!(
             error["error"]["message"]
                 .as_str()
@@ -405,8 +436,30 @@ async fn models_are_listed_and_bad_requests_get_openai_errors() {
                 .contains(message),
             "{body}: {error}"
         );
-        assert!(error["error"]["type"].is_string());
     }
+    let (status, _, bytes) = post(
+        &client,
+        &gw.url("/v1/chat/completions"),
+        &json!({"model": "default", "messages": "hi"}),
+    )
+    .await;
+    assert_eq!(status, 400);
+    let error: Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(error["error"]["param"], "messages", "{error}");
+    let (status, _, bytes) = post(
+        &client,
+        &gw.url("/v1/responses"),
+        &json!({"model": "default", "input": 5}),
+    )
+    .await;
+    assert_eq!(status, 400);
+    let error: Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(error["error"]["param"], "input", "{error}");
+    assert_eq!(
+        upstream.requests("/v1/completions").len(),
+        1,
+        "no bad body reached the engine"
+    );
     // A model no worker serves is OpenAI's and vLLM's 404, naming the parameter; the same on
     // the chat route.
     for route in ["/v1/completions", "/v1/chat/completions"] {
@@ -425,7 +478,7 @@ async fn models_are_listed_and_bad_requests_get_openai_errors() {
     let (status, _, bytes) = post(
         &client,
         &gw.url("/v1/chat/completions"),
-        &json!({"messages": []}),
+        &json!({"model": "default", "messages": []}),
     )
     .await;
     assert_eq!(status, 400, "{}", String::from_utf8_lossy(&bytes));
@@ -469,7 +522,7 @@ async fn round_robin_takes_the_workers_in_turn() {
         let (status, headers, bytes) = post(
             &client,
             &gw.url("/v1/completions"),
-            &json!({"prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], "max_tokens": 2}),
+            &json!({"model": "default", "prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], "max_tokens": 2}),
         )
         .await;
         assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
@@ -526,7 +579,7 @@ async fn session_headers_keep_a_conversation_on_its_worker() {
     )
     .await;
     let client = client();
-    let prompt = |i: u32| json!({"prompt": [1000 + i, 2000 + i, 3000 + i]});
+    let prompt = |i: u32| json!({"model": "default", "prompt": [1000 + i, 2000 + i, 3000 + i]});
     // Without a session, an idle fleet's ties go either way: both workers serve.
     let mut unbound = std::collections::BTreeSet::new();
     for i in 0..20 {
@@ -544,7 +597,7 @@ async fn session_headers_keep_a_conversation_on_its_worker() {
     }
     // The body's session_id wins over the header: the request binds `b1`, which the next
     // header-only requests of `b1` then follow.
-    let body = json!({"prompt": [7, 8, 9], "session_id": "b1"});
+    let body = json!({"model": "default", "prompt": [7, 8, 9], "session_id": "b1"});
     let bound = worker_for(&client, &gw, &body, Some(("x-session-id", "s9"))).await;
     for i in 0..8 {
         let follower =

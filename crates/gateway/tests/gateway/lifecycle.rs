@@ -131,7 +131,7 @@ async fn a_whole_response_passes_through_and_frees_its_booking() {
     let (status, _, bytes) = post(
         &client,
         &gw.url("/v1/chat/completions"),
-        &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": true}),
+        &json!({"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": true}),
     )
     .await;
     assert_eq!(status, 200);
@@ -155,7 +155,7 @@ async fn a_client_that_leaves_mid_stream_frees_the_booking() {
     let client = client();
     let request = post_request(
         &gw.url("/v1/completions"),
-        &json!({"prompt": [1, 2, 3], "stream": true, "max_tokens": 50}),
+        &json!({"model": "default", "prompt": [1, 2, 3], "stream": true, "max_tokens": 50}),
         None,
     );
     let response = client.request(request).await.unwrap();
@@ -189,7 +189,7 @@ async fn a_client_that_leaves_before_the_answer_frees_the_booking() {
     let client = client();
     let request = post_request(
         &gw.url("/v1/completions"),
-        &json!({"prompt": [1, 2, 3]}),
+        &json!({"model": "default", "prompt": [1, 2, 3]}),
         None,
     );
     let pending = tokio::spawn(async move { client.request(request).await });
@@ -207,7 +207,7 @@ async fn an_engine_dying_mid_stream_ends_the_stream_with_an_error_and_frees_the_
     let (status, _, bytes) = post(
         &client,
         &gw.url("/v1/completions"),
-        &json!({"prompt": [1, 2, 3], "stream": true, "max_tokens": 10}),
+        &json!({"model": "default", "prompt": [1, 2, 3], "stream": true, "max_tokens": 10}),
     )
     .await;
     assert_eq!(status, 200, "the stream had begun");
@@ -256,7 +256,7 @@ async fn a_first_token_past_its_timeout_ends_the_stream_and_frees_the_booking() 
     let (status, _, bytes) = post(
         &client,
         &gw.url("/v1/completions"),
-        &json!({"prompt": [1, 2, 3], "stream": true}),
+        &json!({"model": "default", "prompt": [1, 2, 3], "stream": true}),
     )
     .await;
     assert!(
@@ -285,7 +285,7 @@ async fn a_first_token_past_its_timeout_ends_the_stream_and_frees_the_booking() 
     let (status, _, bytes) = post(
         &client,
         &gw.url("/v1/completions"),
-        &json!({"prompt": [1, 2, 3]}),
+        &json!({"model": "default", "prompt": [1, 2, 3]}),
     )
     .await;
     assert_eq!(status, 504, "{}", String::from_utf8_lossy(&bytes));

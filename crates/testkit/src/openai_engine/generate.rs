@@ -1,12 +1,17 @@
-//! `POST /v1/completions` and `POST /v1/chat/completions`: the prompt's tokens go to the engine
-//! loop with the answer's (decided now, see [`super::tokenizer`]); its news come back as SSE
-//! chunks as each step ends, or as one JSON answer at the end.
+//! `POST /v1/completions`, `POST /v1/chat/completions` and `POST /v1/responses`: the prompt's
+//! tokens go to the engine loop with the answer's (decided now, see [`super::tokenizer`]); its
+//! news come back as SSE chunks as each step ends, or as one JSON answer at the end.
 //!
-//! A stream is `data: {chunk}\n\n` per token (a chat stream first sends the assistant role),
-//! the last token's chunk with `finish_reason: "length"`, then with
+//! A stream is `data: {chunk}\n\n` per token and choice (a chat stream first sends each
+//! choice's assistant role), the last token's chunks with `finish_reason: "length"`, then with
 //! `stream_options.include_usage` a chunk with no choices and the usage, then `data: [DONE]`.
 //! If the engine stops first, an error chunk precedes `[DONE]`; if the client goes away, the
-//! engine aborts the request at its next step.
+//! engine aborts the request at its next step. A response's stream has its own events
+//! (`super::responses`).
+//!
+//! `n` choices share one generation: each choice carries the same text, and the usage counts
+//! `n` times its tokens (the engine model decodes one sequence). `ignore_eos` and `min_tokens`
+//! (at most the maximum) are accepted: every answer is the maximum long already.
 
 use super::disagg::{self, Leg, TransferKey};
 use super::engine_loop::{Command, Progress, Submission};
@@ -16,6 +21,7 @@ use super::protocol::{
     Envelope, MessageIn, PromptIn, StreamOptions, TextChoice, Usage, content_text, json_response,
     parse,
 };
+use super::responses::{self, EventWriter, ResponseMeta, ResponsesRequest};
 use super::tokenizer::{ChatMessage, render_chat};
 use super::{AppState, InFlight, ServedRequest, unix_secs};
 use axum::body::{Body, Bytes};
@@ -34,6 +40,7 @@ use tokio::sync::mpsc;
 enum Route {
     Completion,
     Chat,
+    Responses,
 }
 
 /// A generation request, checked.
@@ -43,10 +50,16 @@ struct Job {
     created: u64,
     prompt: Vec<u32>,
     max_tokens: u32,
+    /// Choices (`n`), each the same text.
+    n: u32,
     stream: bool,
     include_usage: bool,
     /// Its part in a disaggregated request, if any.
     leg: Leg,
+    /// The usage so far on every token's chunk (`stream_options.continuous_usage_stats`).
+    continuous_usage: bool,
+    /// A response's `instructions`, echoed in its object.
+    instructions: Option<String>,
 }
 
 pub(crate) async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Response {
@@ -55,10 +68,12 @@ pub(crate) async fn completions(State(state): State<Arc<AppState>>, body: Body) 
         let body = read_body(body).await?;
         let request: CompletionRequest = parse(&body)?;
         check_model(&state, request.model.as_deref())?;
-        check_n(request.n)?;
-        let (stream, include_usage) = streaming(request.stream, request.stream_options.as_ref())?;
+        let n = choices(request.n)?;
+        let (stream, include_usage, continuous_usage) =
+            streaming(request.stream, request.stream_options.as_ref())?;
         let leg = disagg::leg(&state, &request.pd)?;
         let max_tokens = max_tokens(request.max_tokens, state.default_max_tokens, &leg)?;
+        check_min_tokens(request.min_tokens, max_tokens)?;
         let prompt = match PromptIn::from_value(request.prompt)? {
             PromptIn::Tokens(ids) => ids,
             PromptIn::Text(text) => state
@@ -72,9 +87,12 @@ pub(crate) async fn completions(State(state): State<Arc<AppState>>, body: Body) 
             created: unix_secs(),
             prompt,
             max_tokens,
+            n,
             stream,
             include_usage,
             leg,
+            continuous_usage,
+            instructions: None,
         })
     }
     .await;
@@ -90,14 +108,16 @@ pub(crate) async fn chat_completions(State(state): State<Arc<AppState>>, body: B
         let body = read_body(body).await?;
         let request: ChatRequest = parse(&body)?;
         check_model(&state, request.model.as_deref())?;
-        check_n(request.n)?;
-        let (stream, include_usage) = streaming(request.stream, request.stream_options.as_ref())?;
+        let n = choices(request.n)?;
+        let (stream, include_usage, continuous_usage) =
+            streaming(request.stream, request.stream_options.as_ref())?;
         let leg = disagg::leg(&state, &request.pd)?;
         let max_tokens = max_tokens(
             request.max_completion_tokens.or(request.max_tokens),
             state.default_max_tokens,
             &leg,
         )?;
+        check_min_tokens(request.min_tokens, max_tokens)?;
         let prompt = chat_prompt(
             &state,
             &request.messages,
@@ -110,9 +130,46 @@ pub(crate) async fn chat_completions(State(state): State<Arc<AppState>>, body: B
             created: unix_secs(),
             prompt,
             max_tokens,
+            n,
             stream,
             include_usage,
             leg,
+            continuous_usage,
+            instructions: None,
+        })
+    }
+    .await;
+    match job {
+        Ok(job) => run(state, job, arrived).await,
+        Err(error) => error.into_response(),
+    }
+}
+
+pub(crate) async fn responses(State(state): State<Arc<AppState>>, body: Body) -> Response {
+    let arrived = Instant::now();
+    let job = async {
+        let body = read_body(body).await?;
+        let request: ResponsesRequest = parse(&body)?;
+        check_model(&state, request.model.as_deref())?;
+        let max_tokens = max_tokens(
+            request.max_output_tokens,
+            state.default_max_tokens,
+            &Leg::Whole,
+        )?;
+        let messages = responses::input_messages(request.instructions.as_deref(), &request.input)?;
+        let prompt = chat_prompt(&state, &messages, true, false)?;
+        Ok::<_, ApiError>(Job {
+            route: Route::Responses,
+            id: state.shared.request_id("resp"),
+            created: unix_secs(),
+            prompt,
+            max_tokens,
+            n: 1,
+            stream: request.stream.unwrap_or(false),
+            include_usage: false,
+            leg: Leg::Whole,
+            continuous_usage: false,
+            instructions: request.instructions,
         })
     }
     .await;
@@ -149,20 +206,42 @@ pub(crate) fn chat_prompt(
         .map_err(ApiError::bad_request)
 }
 
-fn check_n(n: Option<i64>) -> Result<(), ApiError> {
+/// The most choices a request may ask for.
+const MAX_CHOICES: i64 = 128;
+
+fn choices(n: Option<i64>) -> Result<u32, ApiError> {
     match n {
-        None | Some(1) => Ok(()),
-        Some(n) => Err(ApiError::bad_request(format!(
-            "the mock engine generates one choice per request (n = 1), got n = {n}"
+        None => Ok(1),
+        Some(n) if n < 1 => Err(ApiError::bad_request(format!(
+            "n must be at least 1, got {n}."
         ))),
+        Some(n) if n > MAX_CHOICES => Err(ApiError::bad_request(format!(
+            "n must be at most {MAX_CHOICES}, got {n}."
+        ))),
+        // In 1..=128.
+        Some(n) => Ok(n as u32),
     }
 }
 
-/// `(stream, include_usage)`; stream options without streaming are vLLM's 400.
+/// `min_tokens` as vLLM checks it: not negative, not above the maximum.
+fn check_min_tokens(min_tokens: Option<i64>, max_tokens: u32) -> Result<(), ApiError> {
+    match min_tokens {
+        Some(min) if min < 0 => Err(ApiError::bad_request(format!(
+            "min_tokens must be greater than or equal to 0, got {min}."
+        ))),
+        Some(min) if min > i64::from(max_tokens) => Err(ApiError::bad_request(format!(
+            "min_tokens must be less than or equal to max_tokens={max_tokens}, got {min}."
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// `(stream, include_usage, continuous_usage)`; stream options without streaming are vLLM's
+/// 400.
 fn streaming(
     stream: Option<bool>,
     options: Option<&StreamOptions>,
-) -> Result<(bool, bool), ApiError> {
+) -> Result<(bool, bool, bool), ApiError> {
     let stream = stream.unwrap_or(false);
     if options.is_some() && !stream {
         return Err(ApiError::bad_request(
@@ -170,7 +249,10 @@ fn streaming(
         ));
     }
     let include_usage = options.and_then(|o| o.include_usage).unwrap_or(false);
-    Ok((stream, include_usage))
+    let continuous = options
+        .and_then(|o| o.continuous_usage_stats)
+        .unwrap_or(false);
+    Ok((stream, include_usage, continuous))
 }
 
 /// A prefill leg makes one token, whatever the request says (vLLM's and SGLang's prefill
@@ -257,6 +339,8 @@ async fn run(state: Arc<AppState>, mut job: Job, arrived: Instant) -> Response {
         done: false,
         held_candidates,
         kv_transfer_params: None,
+        events: EventWriter::default(),
+        opened: false,
         _in_flight: in_flight,
     };
     if answer.job.stream {
@@ -311,6 +395,9 @@ struct Answer {
     held_candidates: Vec<u64>,
     /// A vLLM prefill leg's answer for the decode leg.
     kv_transfer_params: Option<serde_json::Value>,
+    /// A response's stream: its events' numbering, and whether its opening events went out.
+    events: EventWriter,
+    opened: bool,
     _in_flight: InFlight,
 }
 
@@ -339,12 +426,28 @@ impl Answer {
                 .map(|t| u64::try_from(t.as_micros()).unwrap_or(u64::MAX)),
             ..Usage::new(
                 self.job.prompt.len() as u64,
-                u64::from(self.produced),
+                u64::from(self.produced) * u64::from(self.job.n),
                 self.state
                     .prompt_tokens_details
                     .then_some(self.cached_tokens),
             )
         }
+    }
+
+    /// A response's usage, in the Responses API's shape.
+    fn response_usage(&self) -> serde_json::Value {
+        responses::usage(
+            self.job.prompt.len() as u64,
+            u64::from(self.produced),
+            self.cached_tokens,
+        )
+    }
+
+    /// The text generated so far.
+    fn text(&self) -> String {
+        (0..self.produced as usize)
+            .map(|i| self.state.tokenizer.output_token(i).1)
+            .collect()
     }
 
     /// Takes the next piece of news into account and returns it; `None` if the engine stopped
@@ -406,9 +509,7 @@ impl Answer {
                 }
             }
         }
-        let text: String = (0..self.produced as usize)
-            .map(|i| self.state.tokenizer.output_token(i).1)
-            .collect();
+        let text = self.text();
         let finish_reason = Some("length");
         let usage = Some(self.usage());
         let body = match self.job.route {
@@ -417,13 +518,15 @@ impl Answer {
                 object: "text_completion",
                 created: self.job.created,
                 model: self.model(),
-                choices: [TextChoice {
-                    index: 0,
-                    text: &text,
-                    logprobs: None,
-                    finish_reason,
-                    stop_reason: None,
-                }],
+                choices: (0..self.job.n)
+                    .map(|index| TextChoice {
+                        index,
+                        text: &text,
+                        logprobs: None,
+                        finish_reason,
+                        stop_reason: None,
+                    })
+                    .collect::<Vec<_>>(),
                 usage,
                 kv_transfer_params: self.kv_transfer_params.as_ref(),
             }),
@@ -432,20 +535,27 @@ impl Answer {
                 object: "chat.completion",
                 created: self.job.created,
                 model: self.model(),
-                choices: [ChatChoice {
-                    index: 0,
-                    message: ChatMessageOut {
-                        role: "assistant",
-                        content: &text,
-                        tool_calls: [],
-                    },
-                    logprobs: None,
-                    finish_reason,
-                    stop_reason: None,
-                }],
+                choices: (0..self.job.n)
+                    .map(|index| ChatChoice {
+                        index,
+                        message: ChatMessageOut {
+                            role: "assistant",
+                            content: &text,
+                            tool_calls: [],
+                        },
+                        logprobs: None,
+                        finish_reason,
+                        stop_reason: None,
+                    })
+                    .collect::<Vec<_>>(),
                 usage,
                 kv_transfer_params: self.kv_transfer_params.as_ref(),
             }),
+            Route::Responses => Ok(responses::document(
+                &response_meta(&self.job, &self.state.model),
+                &text,
+                self.response_usage(),
+            )),
         };
         json_response(body.unwrap_or_default())
     }
@@ -455,10 +565,31 @@ impl Answer {
         if self.done {
             return None;
         }
+        if self.job.route == Route::Responses && !self.opened {
+            // A response's stream opens at once, before its first token.
+            self.opened = true;
+            let meta = response_meta(&self.job, &self.state.model);
+            let opening = self.events.opening(&meta);
+            return Some(opening.into());
+        }
         loop {
             match self.next().await {
                 Some(Progress::Token) => return Some(self.token_chunk()),
                 Some(Progress::Admitted { .. } | Progress::Held { .. }) => {}
+                Some(Progress::Finished) if self.job.route == Route::Responses => {
+                    self.done = true;
+                    let (text, usage) = (self.text(), self.response_usage());
+                    let meta = response_meta(&self.job, &self.state.model);
+                    let closing = self.events.closing(&meta, &text, usage);
+                    return Some(closing.into());
+                }
+                None if self.job.route == Route::Responses => {
+                    self.done = true;
+                    let error = self
+                        .events
+                        .error("the engine stopped before the request finished");
+                    return Some(error.into());
+                }
                 Some(Progress::Finished) => {
                     self.done = true;
                     let mut out = Vec::new();
@@ -481,36 +612,48 @@ impl Answer {
         }
     }
 
-    /// The chunk of the token just produced (after the role chunk, for a chat's first).
-    fn token_chunk(&self) -> Bytes {
+    /// The chunks of the token just produced, one per choice (after the role chunk, for a
+    /// chat's first).
+    fn token_chunk(&mut self) -> Bytes {
         let index = self.produced as usize - 1;
         let piece = self.state.tokenizer.output_token(index).1;
         let finish_reason = (self.produced >= self.job.max_tokens).then_some("length");
-        let mut out = Vec::with_capacity(256);
-        match self.job.route {
-            Route::Completion => push_event(
-                &mut out,
-                &Envelope {
-                    id: &self.job.id,
-                    object: "text_completion",
-                    created: self.job.created,
-                    model: self.model(),
-                    choices: [TextChoice {
-                        index: 0,
-                        text: piece,
-                        logprobs: None,
-                        finish_reason,
-                        stop_reason: None,
-                    }],
-                    usage: None,
-                    kv_transfer_params: None,
-                },
-            ),
-            Route::Chat => {
-                if index == 0 {
-                    push_event(&mut out, &self.chat_chunk(Some("assistant"), "", None));
+        let mut out = Vec::with_capacity(256 * self.job.n as usize);
+        for choice in 0..self.job.n {
+            match self.job.route {
+                Route::Completion => push_event(
+                    &mut out,
+                    &Envelope {
+                        id: &self.job.id,
+                        object: "text_completion",
+                        created: self.job.created,
+                        model: self.model(),
+                        choices: [TextChoice {
+                            index: choice,
+                            text: piece,
+                            logprobs: None,
+                            finish_reason,
+                            stop_reason: None,
+                        }],
+                        usage: self.chunk_usage(),
+                        kv_transfer_params: None,
+                    },
+                ),
+                Route::Chat => {
+                    if index == 0 {
+                        let role = self.chat_chunk(choice, Some("assistant"), "", None);
+                        push_event(&mut out, &role);
+                    }
+                    push_event(
+                        &mut out,
+                        &self.chat_chunk(choice, None, piece, finish_reason),
+                    );
                 }
-                push_event(&mut out, &self.chat_chunk(None, piece, finish_reason));
+                Route::Responses => {
+                    let meta = response_meta(&self.job, &self.state.model);
+                    let delta = self.events.delta(&meta, piece);
+                    out.extend(delta);
+                }
             }
         }
         out.into()
@@ -518,6 +661,7 @@ impl Answer {
 
     fn chat_chunk<'a>(
         &'a self,
+        index: u32,
         role: Option<&'static str>,
         content: &'a str,
         finish_reason: Option<&'static str>,
@@ -528,20 +672,25 @@ impl Answer {
             created: self.job.created,
             model: self.model(),
             choices: [ChatChunkChoice {
-                index: 0,
+                index,
                 delta: Delta { role, content },
                 logprobs: None,
                 finish_reason,
             }],
-            usage: None,
+            usage: self.chunk_usage(),
             kv_transfer_params: None,
         }
+    }
+
+    /// A token's chunk's usage: the usage so far with `continuous_usage_stats`, else none.
+    fn chunk_usage(&self) -> Option<Usage> {
+        self.job.continuous_usage.then(|| self.usage())
     }
 
     fn push_usage_chunk(&self, out: &mut Vec<u8>) {
         let object = match self.job.route {
             Route::Completion => "text_completion",
-            Route::Chat => "chat.completion.chunk",
+            Route::Chat | Route::Responses => "chat.completion.chunk",
         };
         let no_choices: [(); 0] = [];
         push_event(
@@ -556,6 +705,18 @@ impl Answer {
                 kv_transfer_params: None,
             },
         );
+    }
+}
+
+/// What a response's renderings share (a function of the fields, so that the event writer,
+/// another field, can be borrowed beside it).
+fn response_meta<'a>(job: &'a Job, model: &'a str) -> ResponseMeta<'a> {
+    ResponseMeta {
+        id: &job.id,
+        created: job.created,
+        model,
+        instructions: job.instructions.as_deref(),
+        max_output_tokens: job.max_tokens,
     }
 }
 

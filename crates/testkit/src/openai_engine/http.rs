@@ -33,6 +33,7 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/completions", post(generate::completions))
         .route("/v1/chat/completions", post(generate::chat_completions))
+        .route("/v1/responses", post(generate::responses))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/health", get(health))

@@ -17,11 +17,13 @@
 //! ```
 //!
 //! ## What it serves (vLLM's shapes; `protocol.rs` has them)
-//! `POST /v1/completions` and `POST /v1/chat/completions`, streaming (SSE) or not, with
+//! `POST /v1/completions` and `POST /v1/chat/completions` (`n` choices, `tools` accepted),
+//! streaming (SSE, usage on the last chunk with `stream_options.include_usage`) or not, with
 //! `usage.prompt_tokens_details.cached_tokens` (`null` with `prompt_tokens_details: false`, as
-//! vLLM without `--enable-prompt-tokens-details`); `POST /tokenize`, `POST /detokenize`,
+//! vLLM without `--enable-prompt-tokens-details`); `POST /v1/responses` (OpenAI's Responses API,
+//! its `event:` stream included: `responses.rs`); `POST /tokenize`, `POST /detokenize`,
 //! `GET /health`, `GET /v1/models`, `GET /metrics` (vLLM's running/waiting/KV-usage gauges).
-//! Every answer is `max_tokens` tokens long (default 16).
+//! Every answer is `max_tokens` tokens long (default 16), as with `ignore_eos`.
 //!
 //! ## The model
 //! - **Engine**: a [`kvroute_sim::Engine`] (KV pool with prefix caching and LRU eviction,
@@ -49,8 +51,8 @@
 //! prompt's blocks until a decode engine pulls them over HTTP (`disagg.rs` has the protocol).
 //!
 //! Files: `disagg.rs` (P/D legs, held blocks, the pull routes), `engine_loop.rs` (the real-time
-//! loop and its KV events), `generate.rs` (the two
-//! generation routes, streaming), `http.rs` (the other routes, the server and its connections),
+//! loop and its KV events), `generate.rs` (the generation routes, streaming), `responses.rs` (the
+//! Responses API's shapes), `http.rs` (the other routes, the server and its connections),
 //! `protocol.rs` (the JSON), `tokenizer.rs`.
 
 mod disagg;
@@ -58,6 +60,7 @@ mod engine_loop;
 mod generate;
 mod http;
 mod protocol;
+mod responses;
 pub mod tokenizer;
 
 use crate::fake_engine::FakeEngine;

@@ -133,6 +133,9 @@ pub(crate) fn parse<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, ApiErro
 pub(crate) struct StreamOptions {
     #[serde(default)]
     pub include_usage: Option<bool>,
+    /// vLLM's: the usage so far on every chunk too (guidellm asks for it).
+    #[serde(default)]
+    pub continuous_usage_stats: Option<bool>,
 }
 
 /// `POST /v1/completions`.
@@ -149,6 +152,9 @@ pub(crate) struct CompletionRequest {
     pub n: Option<i64>,
     #[serde(default)]
     pub stream: Option<bool>,
+    /// Accepted as vLLM takes it; every answer is the maximum long anyway.
+    #[serde(default)]
+    pub min_tokens: Option<i64>,
     #[serde(default)]
     pub stream_options: Option<StreamOptions>,
     #[serde(default)]
@@ -171,6 +177,9 @@ pub(crate) struct ChatRequest {
     pub n: Option<i64>,
     #[serde(default)]
     pub stream: Option<bool>,
+    /// Accepted as vLLM takes it; every answer is the maximum long anyway.
+    #[serde(default)]
+    pub min_tokens: Option<i64>,
     #[serde(default)]
     pub stream_options: Option<StreamOptions>,
     #[serde(default)]

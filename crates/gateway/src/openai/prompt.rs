@@ -1,99 +1,10 @@
-//! The parts of an OpenAI request the gateway reads: its route and a few fields of its body.
-//!
-//! The request body is forwarded to the engine as received; the gateway only reads `model`
-//! (the partition), `stream`, the prompt (`prompt` or `messages`) and the token limits. A
-//! prompt of token ids is kept as ids, with no copy through a generic JSON value.
+//! `prompt` of `POST /v1/completions`: text, token ids, or a batch of one of them, read with
+//! no copy through a generic JSON value (a prompt of 100k ids is one `Vec<u32>`).
 
 use crate::error::GatewayError;
 use serde::Deserialize;
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
-use serde_json::Value;
 use std::fmt;
-
-/// The route templates the gateway adds (the metrics' labels).
-pub mod route {
-    pub const COMPLETIONS: &str = "/v1/completions";
-    pub const CHAT_COMPLETIONS: &str = "/v1/chat/completions";
-    pub const MODELS: &str = "/v1/models";
-    pub const ALL: &[&str] = &[COMPLETIONS, CHAT_COMPLETIONS, MODELS];
-}
-
-/// Which OpenAI route a request came on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
-    Completions,
-    Chat,
-}
-
-impl Kind {
-    /// The route's path, on the gateway and on the engine alike.
-    pub fn path(self) -> &'static str {
-        match self {
-            Kind::Completions => route::COMPLETIONS,
-            Kind::Chat => route::CHAT_COMPLETIONS,
-        }
-    }
-}
-
-/// The fields of `POST /v1/completions` and `POST /v1/chat/completions` that matter here.
-#[derive(Debug, Deserialize)]
-pub struct OpenAiRequest {
-    #[serde(default)]
-    pub model: Option<String>,
-    #[serde(default)]
-    pub stream: Option<bool>,
-    #[serde(default)]
-    pub prompt: Option<PromptField>,
-    #[serde(default)]
-    pub messages: Option<Vec<Value>>,
-    #[serde(default)]
-    pub max_tokens: Option<u64>,
-    #[serde(default)]
-    pub max_completion_tokens: Option<u64>,
-    // Chat-template inputs, as vLLM reads them.
-    #[serde(default)]
-    pub add_generation_prompt: Option<bool>,
-    #[serde(default)]
-    pub continue_final_message: Option<bool>,
-    #[serde(default)]
-    pub tools: Option<Value>,
-    #[serde(default)]
-    pub documents: Option<Value>,
-    #[serde(default)]
-    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
-    // Completions: whether the tokenizer adds its special tokens (vLLM's default: yes).
-    #[serde(default)]
-    pub add_special_tokens: Option<bool>,
-    #[serde(default)]
-    pub cache_salt: Option<String>,
-    /// The request's session (kvroute's session affinity); wins over a session header.
-    #[serde(default)]
-    pub session_id: Option<String>,
-}
-
-impl OpenAiRequest {
-    pub fn parse(body: &[u8]) -> Result<Self, GatewayError> {
-        let request: Self = serde_json::from_slice(body)
-            .map_err(|e| GatewayError::invalid(format!("invalid request body: {e}")))?;
-        if let Some(model) = &request.model
-            && (model.is_empty() || model.len() > 1024)
-        {
-            return Err(GatewayError::invalid_param(
-                "model must be between 1 and 1024 bytes",
-                "model",
-            ));
-        }
-        Ok(request)
-    }
-
-    pub fn is_stream(&self) -> bool {
-        self.stream.unwrap_or(false)
-    }
-
-    pub fn expected_output_tokens(&self) -> Option<u64> {
-        self.max_completion_tokens.or(self.max_tokens)
-    }
-}
 
 /// `prompt`: text, token ids, or a batch of one of them.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -247,50 +158,5 @@ impl<'de> Deserialize<'de> for PromptField {
             }
         }
         d.deserialize_any(V)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use axum::http::StatusCode;
-
-    fn prompt(body: &str) -> Result<Prompt, GatewayError> {
-        OpenAiRequest::parse(body.as_bytes())?
-            .prompt
-            .ok_or_else(|| GatewayError::invalid("none"))?
-            .single()
-    }
-
-    #[test]
-    fn prompts_of_every_shape_parse() {
-        assert_eq!(prompt(r#"{"prompt": "hi"}"#), Ok(Prompt::Text("hi".into())));
-        assert_eq!(
-            prompt(r#"{"prompt": ["hi"]}"#),
-            Ok(Prompt::Text("hi".into()))
-        );
-        assert_eq!(
-            prompt(r#"{"prompt": [1, 2, 3]}"#),
-            Ok(Prompt::Tokens(vec![1, 2, 3]))
-        );
-        assert_eq!(
-            prompt(r#"{"prompt": [[4, 5]]}"#),
-            Ok(Prompt::Tokens(vec![4, 5]))
-        );
-        let batch = prompt(r#"{"prompt": ["a", "b"]}"#).unwrap_err();
-        assert_eq!(batch.status, StatusCode::BAD_REQUEST);
-        assert!(batch.message.contains("batch of 2"), "{}", batch.message);
-        assert!(prompt(r#"{"prompt": []}"#).is_err());
-        for bad in [
-            r#"{"prompt": [1, "a"]}"#,
-            r#"{"prompt": [-1]}"#,
-            r#"{"prompt": [4294967296]}"#,
-            r#"{"prompt": 5}"#,
-            r#"{"prompt": "a""#,
-            r#"{"model": ""}"#,
-        ] {
-            let e = OpenAiRequest::parse(bad.as_bytes()).unwrap_err();
-            assert_eq!(e.status, StatusCode::BAD_REQUEST, "{bad}");
-        }
     }
 }

@@ -6,7 +6,8 @@
 //! unfinished line of the last frame (an event split across frames), at most
 //! [`MAX_LINE_BYTES`], so a stream is never held whole. Each `data:` line is parsed by serde
 //! into a borrowed skeleton that skips everything but `choices[].text`, `choices[].delta` and
-//! `usage.completion_tokens`, allocating nothing for the text itself.
+//! `usage.completion_tokens` (and a Responses event's `type`, `delta` and
+//! `response.usage.output_tokens`), allocating nothing for the text itself.
 //!
 //! Counting follows how vLLM and SGLang stream: one chunk per decode step, so a chunk whose
 //! choice has non-empty `text` (completions) or `delta.content` / `delta.reasoning_content` /
@@ -14,6 +15,15 @@
 //! them. The role-only first chunk of a chat stream and the final chunk with only a
 //! `finish_reason` carry none. A `usage` chunk's `completion_tokens`, when the client asked for
 //! it, corrects the count.
+//!
+//! A Responses API stream (`event: response.output_text.delta` + `data: {"type": …}`) counts
+//! one token per non-empty text, reasoning or tool-argument `delta` event; its
+//! `response.completed` (or `.incomplete`, `.failed`) event is its end, as `[DONE]` is a
+//! chat's, and carries the total in `response.usage.output_tokens`.
+
+mod responses;
+
+use responses::{Event, ResponseSkeleton};
 
 use crate::usage::PromptUsage;
 use serde::Deserialize;
@@ -32,7 +42,7 @@ pub struct ChunkInfo {
     pub usage_completion_tokens: Option<u64>,
     /// `usage`'s prompt counts, when present.
     pub usage_prompt: Option<PromptUsage>,
-    /// `data: [DONE]`.
+    /// `data: [DONE]`, or a response's last event (`response.completed`).
     pub done: bool,
     /// The engine reported an error in the stream (`{"error": ...}`).
     pub error: bool,
@@ -127,20 +137,39 @@ pub fn chunk_info(payload: &[u8]) -> ChunkInfo {
     let Ok(chunk) = serde_json::from_slice::<Chunk>(payload) else {
         return ChunkInfo::default();
     };
-    ChunkInfo {
-        tokens: chunk.choices.iter().map(Choice::tokens).sum(),
-        usage_completion_tokens: chunk.usage.as_ref().and_then(|u| u.completion_tokens),
-        usage_prompt: chunk.usage.as_ref().and_then(|u| {
-            Some(PromptUsage {
-                prompt_tokens: u.prompt_tokens?,
-                cached_tokens: u
-                    .prompt_tokens_details
-                    .as_ref()
-                    .and_then(|d| d.cached_tokens),
-            })
-        }),
-        done: false,
-        error: chunk.error.is_some(),
+    match chunk.event {
+        None | Some(Event::Other) => ChunkInfo {
+            tokens: chunk.choices.iter().map(Choice::tokens).sum(),
+            usage_completion_tokens: chunk.usage.as_ref().and_then(|u| u.completion_tokens),
+            usage_prompt: chunk.usage.as_ref().and_then(|u| {
+                Some(PromptUsage {
+                    prompt_tokens: u.prompt_tokens?,
+                    cached_tokens: u
+                        .prompt_tokens_details
+                        .as_ref()
+                        .and_then(|d| d.cached_tokens),
+                })
+            }),
+            done: false,
+            error: chunk.error.is_some(),
+        },
+        Some(Event::Delta) => ChunkInfo {
+            tokens: u64::from(chunk.delta.0),
+            ..ChunkInfo::default()
+        },
+        Some(end @ (Event::Finished | Event::Failed)) => ChunkInfo {
+            usage_completion_tokens: chunk
+                .response
+                .and_then(|r| r.usage)
+                .and_then(|u| u.output_tokens),
+            done: true,
+            error: end == Event::Failed,
+            ..ChunkInfo::default()
+        },
+        Some(Event::Error) => ChunkInfo {
+            error: true,
+            ..ChunkInfo::default()
+        },
     }
 }
 
@@ -152,6 +181,15 @@ struct Chunk {
     usage: Option<Usage>,
     #[serde(default)]
     error: Option<IgnoredAny>,
+    /// A Responses event's `type`.
+    #[serde(default, rename = "type")]
+    event: Option<Event>,
+    /// A Responses delta event's text.
+    #[serde(default)]
+    delta: NonEmpty,
+    /// The response of a Responses `response.*` event.
+    #[serde(default)]
+    response: Option<ResponseSkeleton>,
 }
 
 #[derive(Deserialize)]
@@ -265,99 +303,4 @@ impl<'de> Deserialize<'de> for Count {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
-
-    const CHAT_STREAM: &str = concat!(
-        "data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"finish_reason\":null}]}\n\n",
-        "data: {\"id\":\"c1\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hel\"}}]}\n\n",
-        "data: {\"id\":\"c1\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"lo \\\"x\\\"\"}}]}\n\n",
-        ": a comment\n",
-        "event: message\n",
-        "data: {\"id\":\"c1\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n",
-        "data: {\"id\":\"c1\",\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":2,\"total_tokens\":7,\"prompt_tokens_details\":{\"cached_tokens\":3}}}\n\n",
-        "data: [DONE]\n\n",
-    );
-
-    #[test]
-    fn chat_chunks_count_content_not_roles_or_finishes() {
-        let mut scanner = SseScanner::new();
-        let outcome = scanner.scan(CHAT_STREAM.as_bytes());
-        assert_eq!(
-            outcome,
-            ScanOutcome {
-                tokens: 2,
-                usage_completion_tokens: Some(2),
-                usage_prompt: Some(PromptUsage {
-                    prompt_tokens: 5,
-                    cached_tokens: Some(3),
-                }),
-                done: true,
-                error: false,
-            }
-        );
-    }
-
-    #[test]
-    fn completion_chunks_count_text_and_token_ids() {
-        let info = chunk_info(br#"{"choices":[{"index":0,"text":"a","logprobs":null}]}"#);
-        assert_eq!(info.tokens, 1);
-        let info = chunk_info(br#"{"choices":[{"index":0,"text":""}]}"#);
-        assert_eq!(info.tokens, 0);
-        let info = chunk_info(br#"{"choices":[{"text":"ab","token_ids":[5,6,7]}]}"#);
-        assert_eq!(info.tokens, 3);
-        let info = chunk_info(br#"{"choices":[{"text":"a"},{"text":"b"}]}"#);
-        assert_eq!(info.tokens, 2, "one token per choice (n > 1)");
-        let info = chunk_info(br#"{"choices":[{"delta":{"tool_calls":[{"index":0}]}}]}"#);
-        assert_eq!(info.tokens, 1);
-        let info = chunk_info(br#"{"choices":[{"delta":{"reasoning_content":"hm"}}]}"#);
-        assert_eq!(info.tokens, 1);
-        let info = chunk_info(br#"{"error":{"message":"boom","code":500}}"#);
-        assert!(info.error);
-        assert_eq!(chunk_info(b"not json"), ChunkInfo::default());
-        assert!(chunk_info(b" [DONE] ").done);
-    }
-
-    #[test]
-    fn crlf_lines_and_lines_without_a_space_are_read() {
-        let mut scanner = SseScanner::new();
-        let outcome =
-            scanner.scan(b"data:{\"choices\":[{\"text\":\"a\"}]}\r\n\r\ndata: [DONE]\r\n\r\n");
-        assert_eq!((outcome.tokens, outcome.done), (1, true));
-    }
-
-    #[test]
-    fn an_overlong_line_is_skipped_and_the_next_read() {
-        let mut scanner = SseScanner::new();
-        let big = vec![b'x'; MAX_LINE_BYTES + 10];
-        assert_eq!(scanner.scan(b"data: "), ScanOutcome::default());
-        assert_eq!(scanner.scan(&big), ScanOutcome::default());
-        assert_eq!(scanner.scan(b"yy\n"), ScanOutcome::default());
-        assert!(scanner.partial.is_empty());
-        let outcome = scanner.scan(b"data: {\"choices\":[{\"text\":\"a\"}]}\n");
-        assert_eq!(outcome.tokens, 1);
-    }
-
-    proptest! {
-        /// However the stream is cut into frames, the scanner counts what it counts whole.
-        #[test]
-        fn frame_cuts_do_not_change_the_count(cuts in proptest::collection::vec(0usize..CHAT_STREAM.len(), 0..12)) {
-            let bytes = CHAT_STREAM.as_bytes();
-            let mut cuts = cuts;
-            cuts.sort_unstable();
-            let mut scanner = SseScanner::new();
-            let mut total = ScanOutcome::default();
-            let mut at = 0;
-            for cut in cuts.into_iter().chain([bytes.len()]) {
-                let part = scanner.scan(&bytes[at..cut.max(at)]);
-                total.tokens += part.tokens;
-                total.usage_completion_tokens = total.usage_completion_tokens.max(part.usage_completion_tokens);
-                total.usage_prompt = part.usage_prompt.or(total.usage_prompt);
-                total.done |= part.done;
-                at = cut.max(at);
-            }
-            prop_assert_eq!(total, SseScanner::new().scan(bytes));
-        }
-    }
-}
+mod tests;
