@@ -34,8 +34,11 @@
 //! shrink and the existing holders win again.
 //!
 //! **Disaggregated prefill and decode** (SPEC §6.1) cost each leg on its own pool, by [`Leg`]:
-//! a prefill leg is a request with one output token (the same formula with `L = 1`: its time to
-//! first token and the stall it puts on the pool's other prefills); a decode leg computes no
+//! a prefill leg is a request with one output token (the same formula with `L = 1`) plus
+//! `prefill_load_scale * prefill(u)` once more: a prefill pool is a queue, so the prompts routed
+//! to the rank after this one wait out its prefill as it waits out theirs (measured in the
+//! simulator: without it the pick leaves the prefix holder too often, `crates/sim/README.md`);
+//! a decode leg computes no
 //! prompt, so its time to first token is the prefill queued on the rank (bypassed requests) plus
 //! the KV transfer of what the rank does not hold, and the rest is the decode terms:
 //! ```text
@@ -284,7 +287,12 @@ impl SchedulerConfig {
             (Leg::Prefill, RouterProfile::Kvroute) => {
                 let mut one_token = *c;
                 one_token.speeds.output_tokens = 1.0;
-                self.time_cost(&one_token, isl_tokens, block_size)
+                // A prefill pool is a queue: every prompt routed to this rank after this one
+                // waits out its prefill too, which a rank running decodes does not make them
+                // do. Weighed as its own time to first token is.
+                let queued_behind =
+                    self.prefill_load_scale * self.own_prefill_cost(c, isl_tokens, block_size);
+                self.time_cost(&one_token, isl_tokens, block_size) + queued_behind
             }
             (Leg::Decode, RouterProfile::Dynamo) => {
                 c.potential_decode_blocks as f64

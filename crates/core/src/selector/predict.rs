@@ -41,8 +41,12 @@
 //!   re-registered with other event endpoints, ranks or partition, or deleted. Since a block held
 //!   on the device is never predicted and a device `Stored` confirms, a `Removed` meets a
 //!   prediction when the rank also held the block on another tier (its host copy, say).
-//! - **expired**: its TTL ([`PredictConfig::ttl`], 2 s by default, from the booking that predicted
-//!   it; a later booking of the same prompt does not extend it) passed, or the cap pushed it out.
+//! - **expired**: its TTL ([`PredictConfig::ttl`], 2 s by default) passed, or the cap pushed it
+//!   out. The TTL runs from when the booking that predicted it is predicted to start its prefill
+//!   (now plus the prefill queued ahead of it on the rank, at the current speeds), so a prompt
+//!   queued behind others stays visible where it will be computed; deadlines never decrease from
+//!   one prediction to the next. A later booking of the same prompt does not extend
+//!   it.
 //!
 //! Freeing a booking does not withdraw its prediction: the engine keeps the blocks cached after
 //! the request ends, and its events will say so (or the TTL ends the guess).
@@ -461,14 +465,32 @@ impl Selector {
         rank: Rank,
         local: &Arc<[u64]>,
         sequence: &Arc<[u64]>,
+        booking: &str,
         now: Instant,
     ) {
         if !self.config.predict.enabled() {
             return;
         }
-        if locked(&self.predictions).queue(rank, local, sequence, now) {
+        let from = self.prefill_starts_at(booking, now);
+        if locked(&self.predictions).queue(rank, local, sequence, from) {
             self.predictions_queued.store(true, Ordering::Relaxed);
         }
+    }
+
+    /// When the prefill of a booking just made is predicted to start: after the prefill queued
+    /// ahead of it on its rank, at the current speeds (`crate::speed`); `now` on an idle rank. A
+    /// prediction's TTL runs from then, so a prompt waiting in a long prefill queue (a saturated
+    /// prefill pool) stays visible where it will be computed. Takes the load tracker's mutex
+    /// alone, before the predictions'.
+    fn prefill_starts_at(&self, booking: &str, now: Instant) -> Instant {
+        let load = locked(&self.load);
+        let Some(ahead) = load.booking(booking).map(|b| b.prefill_tokens_ahead) else {
+            return now;
+        };
+        let ms = load.speeds(None).prefill_ms(ahead as f64);
+        // At most the longest TTL a user may set, so a wild estimate cannot pin a guess.
+        let wait = Duration::from_secs_f64((ms / 1000.0).clamp(0.0, 600.0));
+        now.checked_add(wait).unwrap_or(now)
     }
 
     /// Predicts a booking's prompt on `rank` under an exclusive borrow: recorded at once.
@@ -477,9 +499,10 @@ impl Selector {
         rank: Rank,
         local: &Arc<[u64]>,
         sequence: &Arc<[u64]>,
+        booking: &str,
         now: Instant,
     ) {
-        self.queue_prediction(rank, local, sequence, now);
+        self.queue_prediction(rank, local, sequence, booking, now);
         self.settle_predictions();
     }
 

@@ -277,6 +277,7 @@ impl Selector {
             plan.rank,
             &plan.entry.local_hashes,
             &plan.entry.sequence_hashes,
+            &plan.reservation.reservation_id,
             now,
         );
         Ok(plan.reservation)
@@ -308,7 +309,13 @@ impl Selector {
         };
         let session = entry.session_selection();
         self.hold_session(session.as_ref(), &reservation.reservation_id, rank, now);
-        self.queue_prediction(rank, &entry.local_hashes, &entry.sequence_hashes, now);
+        self.queue_prediction(
+            rank,
+            &entry.local_hashes,
+            &entry.sequence_hashes,
+            &reservation.reservation_id,
+            now,
+        );
         Ok(Some(reservation))
     }
 
@@ -387,7 +394,8 @@ impl Selector {
         );
         if self.config.predict.enabled() {
             let local: Arc<[u64]> = Arc::from(hashes.local.as_slice());
-            self.predict_booking(Rank::new(worker_id, dp_rank), &local, &sequence, now);
+            let rank = Rank::new(worker_id, dp_rank);
+            self.predict_booking(rank, &local, &sequence, name, now);
         }
         Ok(Reservation {
             reservation_id: name.to_string(),

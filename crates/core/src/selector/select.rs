@@ -416,6 +416,7 @@ impl Selector {
             rank,
             &selection.local_hashes,
             &selection.sequence_hashes,
+            &id,
             now,
         );
         selection.selection_id = Some(id.clone());

@@ -68,7 +68,15 @@ fn overlap(s: &Selector, worker_id: WorkerId, prompt: &[u32]) -> (u32, u32) {
 }
 
 /// Books `prompt` explicitly on `worker_id` under `id`.
+/// Books the prompt on the worker and completes its prefill, so the next booking there queues
+/// behind no prefill and its prediction's TTL runs from its booking.
 fn book(s: &mut Selector, id: &str, worker_id: WorkerId, prompt: &[u32], now: Instant) {
+    book_queued(s, id, worker_id, prompt, now);
+    s.prefill_complete(id, now).unwrap();
+}
+
+/// Books the prompt on the worker, its prefill left running.
+fn book_queued(s: &mut Selector, id: &str, worker_id: WorkerId, prompt: &[u32], now: Instant) {
     let p = partition();
     let req = ReservationRequest {
         worker_id: Some(worker_id),
@@ -274,6 +282,7 @@ fn predictions_expire_at_their_ttl() {
     let other = (100..116).collect::<Vec<u32>>();
     s.select_and_reserve(&select_req(&p, &other, None), Some("b"), later, &mut rng())
         .unwrap();
+    s.prefill_complete("b", later).unwrap();
     assert_eq!(overlap(&s, 1, &prompt), (0, 0));
     assert_eq!(s.prediction_counters(), counters(8, 0, 4, 0));
     // A booking of the same prompt later predicts afresh, with its own TTL.
@@ -540,8 +549,29 @@ fn concurrent_replays_through_a_lock_predict_every_block_once() {
     assert_eq!(s.predicted_blocks(), 4 * 50 * 4);
     assert_eq!(s.prediction_counters(), counters(800, 0, 0, 0));
     assert_eq!(sizes(&s), (800, 800));
-    s.tick(now + TTL);
+    // 100 prefills queued on each rank: the last ones' TTLs start once those ahead are done.
+    s.tick(now + TTL + Duration::from_secs(60));
     assert_eq!(sizes(&s), (0, 0));
+}
+
+#[test]
+fn a_prompt_queued_behind_prefill_is_held_until_its_turn_and_then_its_ttl() {
+    let now = Instant::now();
+    let mut s = events_selector_with(SelectorConfig::default(), &[1, 2]);
+    // 100,000 tokens of prefill running on rank 1 (about 1.5 s at the prior's speed).
+    let long: Vec<u32> = (10_000..110_000).collect();
+    book_queued(&mut s, "long", 1, &long, now);
+    let prompt = tokens(16);
+    book_queued(&mut s, "a", 1, &prompt, now);
+    let ahead = s.load_tracker().booking("a").unwrap().prefill_tokens_ahead;
+    assert_eq!(ahead, 100_000);
+    let wait =
+        Duration::from_secs_f64(s.load_tracker().speeds(None).prefill_ms(ahead as f64) / 1000.0);
+    assert!(wait > Duration::from_secs(1), "{wait:?}");
+    s.tick(now + TTL + wait - Duration::from_millis(1));
+    assert_eq!(overlap(&s, 1, &prompt), (4, 4), "still queued: still held");
+    s.tick(now + TTL + wait + Duration::from_millis(1));
+    assert_eq!(overlap(&s, 1, &prompt), (0, 0));
 }
 
 /// A hot system prompt held by one worker: as its requests pile up on the holder, the cost in
