@@ -42,11 +42,13 @@
 //! prompt, so its time to first token is the prefill queued on the rank (bypassed requests) plus
 //! the KV transfer of what the rank does not hold, and the rest is the decode terms:
 //! ```text
-//! ttft_d   = prefill_ms_per_token * active_prefill_tokens + transfer(isl_tokens - device_tokens)
-//!          + decode_step(n + 1, kv')
-//! cost_d   = prefill_load_scale * ttft_d + decode + decode_active_request_weight * n
+//! ttft_d   = prefill_ms_per_token * active_prefill_tokens + decode_step(n + 1, kv')
+//! cost_d   = prefill_load_scale * ttft_d + transfer(isl_tokens - device_tokens)
+//!          + decode + decode_active_request_weight * n
 //! ```
-//! so a decode worker gets cache credit only for the blocks it really holds (less to move).
+//! so a decode worker gets cache credit only for the blocks it really holds (less to move). The
+//! transfer is counted at its time, unweighted: weighed like the time to first token it kept
+//! long contexts on the decode workers that held them and raised ITL p99 in the simulator.
 //! Under `dynamo` a prefill leg costs the block cost and a decode leg
 //! `potential_decode_blocks + decode_active_request_weight * active_requests`.
 //!
@@ -310,12 +312,14 @@ impl SchedulerConfig {
         let n = c.active_requests as f64;
         let held = f64::from(c.device_blocks) * bs;
         let (step_with, added_step) = self.decode_steps(c, bs);
-        let ttft = s.prefill_ms_per_token * c.active_prefill_tokens as f64
-            + s.transfer_ms(isl_tokens as f64 - held)
-            + step_with;
+        let ttft = s.prefill_ms_per_token * c.active_prefill_tokens as f64 + step_with;
+        // Counted at its time, not weighted as the rest of the time to first token: weighted,
+        // it kept long contexts on the decode workers holding them and raised ITL p99 (the
+        // simulator's P/D suite, `crates/sim/README.md`).
+        let transfer = s.transfer_ms(isl_tokens as f64 - held);
         let output = s.output_tokens.max(0.0);
         let decode = output * step_with + n * output * added_step;
-        self.prefill_load_scale * ttft + decode + self.decode_active_request_weight * n
+        self.prefill_load_scale * ttft + transfer + decode + self.decode_active_request_weight * n
     }
 
     /// One decode step on the rank with this request added, and what it adds to the step.

@@ -14,8 +14,8 @@ use crate::tokenize::RoutingPrompt;
 use axum::extract::Request;
 use axum::http::StatusCode;
 use bytes::Bytes;
-use kvroute_core::selector::Lifecycle;
-use kvroute_service::api::Booked;
+use kvroute_core::selector::{Lifecycle, PdBypass, Reservation, Selection};
+use kvroute_service::api::{Booked, DisaggSelected};
 use kvroute_service::types::{PinnedBody, SelectBody, WireHash, WorkerBody};
 use kvroute_service::{AppState, Service};
 use prometheus_client::metrics::gauge::Gauge;
@@ -37,6 +37,49 @@ pub struct BookRequest<'a> {
     pub tenant: Option<&'a str>,
     /// The request's session, for session affinity.
     pub session: Option<&'a str>,
+}
+
+/// One leg of a disaggregated request, booked: where to send it.
+#[derive(Debug)]
+pub struct LegBooking {
+    pub booking: Booking,
+    pub endpoint: String,
+    /// The worker's SGLang bootstrap port (a prefill leg's).
+    pub bootstrap_port: Option<u16>,
+}
+
+/// A disaggregated request's bookings: both legs, or (a bypass) the decode leg alone, booked
+/// as a whole request.
+#[derive(Debug)]
+pub struct PdBooked {
+    pub prefill: Option<LegBooking>,
+    pub decode: LegBooking,
+    pub bypass: Option<PdBypass>,
+}
+
+/// The select body of a booking request.
+fn select_body(request: &BookRequest<'_>) -> SelectBody {
+    let mut body = SelectBody {
+        model_name: request.model.to_string(),
+        expected_output_tokens: request.expected_output_tokens,
+        allowed_worker_ids: request.allowed_worker_ids.clone(),
+        pinned_worker: request.pinned_worker.map(|worker_id| PinnedBody {
+            worker_id,
+            dp_rank: None,
+        }),
+        cache_salt: request.cache_salt.clone(),
+        session_id: request.session.map(str::to_string),
+        ..SelectBody::default()
+    };
+    match request.prompt {
+        RoutingPrompt::Tokens(ids) => body.token_ids = Some(ids.clone()),
+        RoutingPrompt::Estimate { isl_tokens } => {
+            body.block_hashes = Some(Vec::<WireHash>::new());
+            body.sequence_hashes = Some(Vec::new());
+            body.isl_tokens = Some(*isl_tokens);
+        }
+    }
+    body
 }
 
 /// The selection service, as the gateway uses it.
@@ -120,6 +163,17 @@ impl ServiceLink {
         names
     }
 
+    /// Raises (`Some(message)`) or clears (`None`) a reason the worker's routing is degraded,
+    /// in the service's registry (`kvroute_service::degraded`).
+    pub fn report_degraded(
+        &self,
+        worker_id: u64,
+        reason: kvroute_service::degraded::Reason,
+        message: Option<String>,
+    ) {
+        self.service.report_degraded(worker_id, reason, message);
+    }
+
     /// Registers (or re-registers) a worker, as `POST /workers` does.
     pub fn upsert_worker(&self, worker: WorkerBody) -> Result<(), String> {
         self.service
@@ -143,26 +197,7 @@ impl ServiceLink {
         request: BookRequest<'_>,
         bookings_open: &Gauge,
     ) -> Result<(Booking, String), GatewayError> {
-        let mut body = SelectBody {
-            model_name: request.model.to_string(),
-            expected_output_tokens: request.expected_output_tokens,
-            allowed_worker_ids: request.allowed_worker_ids,
-            pinned_worker: request.pinned_worker.map(|worker_id| PinnedBody {
-                worker_id,
-                dp_rank: None,
-            }),
-            cache_salt: request.cache_salt,
-            session_id: request.session.map(str::to_string),
-            ..SelectBody::default()
-        };
-        match request.prompt {
-            RoutingPrompt::Tokens(ids) => body.token_ids = Some(ids.clone()),
-            RoutingPrompt::Estimate { isl_tokens } => {
-                body.block_hashes = Some(Vec::<WireHash>::new());
-                body.sequence_hashes = Some(Vec::new());
-                body.isl_tokens = Some(*isl_tokens);
-            }
-        }
+        let body = select_body(&request);
         // With `--queue-threshold` this may wait in the admission queue; a client that leaves
         // meanwhile drops this future, which takes the request out of the queue.
         let booked = self
@@ -175,13 +210,21 @@ impl ServiceLink {
             reservation,
         } = booked;
         let worker_id = selection.worker_id;
-        let booking = Booking::new(
+        let mut booking = Booking::new(
             self.service.clone(),
             reservation.reservation_id,
             worker_id,
             selection.block_size,
             bookings_open.clone(),
         );
+        booking.routed = Routed {
+            prompt_tokens: match request.prompt {
+                RoutingPrompt::Tokens(ids) => Some(ids.len() as u64),
+                RoutingPrompt::Estimate { .. } => None,
+            },
+            cached_tokens: selection.overlap.gpu,
+            cached_tokens_max: selection.overlap.gpu.max(selection.overlap.longest_matched),
+        };
         if selection.endpoint.is_empty() {
             return Err(GatewayError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -190,6 +233,91 @@ impl ServiceLink {
         }
         Ok((booking, selection.endpoint))
     }
+
+    /// Books a disaggregated request as `POST /select_and_reserve` with `"disaggregated":
+    /// true` does: a prefill and a decode leg (`<id>.prefill`, `<id>.decode`), or one worker
+    /// for the whole request (a bypass). Decided at once (never queued). `decode_runs_whole`:
+    /// whether a decode worker can take a bypass (vLLM's can, SGLang's need a prefill peer, so
+    /// their bypasses go to `both` workers only).
+    pub fn book_disaggregated(
+        &self,
+        request: BookRequest<'_>,
+        decode_runs_whole: bool,
+        bookings_open: &Gauge,
+    ) -> Result<PdBooked, GatewayError> {
+        let body = SelectBody {
+            disaggregated: true,
+            decode_runs_whole: Some(decode_runs_whole),
+            ..select_body(&request)
+        };
+        let DisaggSelected {
+            selection,
+            reservations,
+        } = self.service.select_and_reserve_disaggregated(body)?;
+        let Some(reservations) = reservations else {
+            return Err(GatewayError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "the selector picked the legs but booked neither",
+            ));
+        };
+        // Each leg's booking is taken in charge before anything can fail: an error below
+        // drops (frees) both.
+        let decode = self.leg(selection.decode, reservations.decode, bookings_open);
+        let prefill = match (selection.prefill, reservations.prefill) {
+            (Some(selection), Some(reservation)) => {
+                Some(self.leg(selection, reservation, bookings_open))
+            }
+            _ => None,
+        };
+        for leg in prefill.iter().chain([&decode]) {
+            if leg.endpoint.is_empty() {
+                return Err(GatewayError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!(
+                        "worker {} has no endpoint URL to send requests to",
+                        leg.booking.worker_id
+                    ),
+                ));
+            }
+        }
+        Ok(PdBooked {
+            prefill,
+            decode,
+            bypass: selection.bypass,
+        })
+    }
+
+    fn leg(&self, selection: Selection, reservation: Reservation, open: &Gauge) -> LegBooking {
+        let bootstrap_port = self
+            .service
+            .workers(Some(&selection.partition.model_name), None)
+            .into_iter()
+            .find(|r| r.spec.worker_id == selection.worker_id)
+            .and_then(|r| r.spec.bootstrap_port);
+        LegBooking {
+            booking: Booking::new(
+                self.service.clone(),
+                reservation.reservation_id,
+                selection.worker_id,
+                selection.block_size,
+                open.clone(),
+            ),
+            endpoint: selection.endpoint,
+            bootstrap_port,
+        }
+    }
+}
+
+/// What the router knew of a request when it booked it, to hold the engine's answer against
+/// (`crate::mismatch`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Routed {
+    /// The gateway's token count of the prompt; `None` when it only estimated it.
+    pub prompt_tokens: Option<u64>,
+    /// The device overlap predicted on the booked rank, in tokens.
+    pub cached_tokens: u64,
+    /// The longest overlap on any of its tiers, in tokens.
+    pub cached_tokens_max: u64,
 }
 
 /// A live booking on a worker.
@@ -197,6 +325,8 @@ pub struct Booking {
     service: Service,
     pub reservation_id: String,
     pub worker_id: u64,
+    /// What the selection predicted (set by [`ServiceLink::book`]).
+    pub routed: Routed,
     block_size: u64,
     generated_tokens: u64,
     reported_blocks: u64,
@@ -230,6 +360,7 @@ impl Booking {
             service,
             reservation_id,
             worker_id,
+            routed: Routed::default(),
             block_size: u64::from(block_size.max(1)),
             generated_tokens: 0,
             reported_blocks: 0,
@@ -273,6 +404,11 @@ impl Booking {
                 self.reported_blocks = blocks;
             }
         }
+    }
+
+    /// Tokens per block of the booked worker.
+    pub fn block_size(&self) -> u64 {
+        self.block_size
     }
 
     pub fn generated_tokens(&self) -> u64 {

@@ -3,8 +3,9 @@
 
 use crate::breaker::BreakerConfig;
 use crate::tokenize::{TokenizeMode, parse_tokenizer_flag};
-use crate::workers::{WorkerEntry, parse_worker_flag};
+use crate::workers::{WorkerEntry, parse_role_flag, parse_worker_flag};
 use clap::Args;
+use kvroute_core::selector::WorkerRole;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -18,6 +19,18 @@ pub enum GatewayPolicy {
     RoundRobin,
 }
 
+/// `--pd-protocol`: how a disaggregated request's two legs are sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PdProtocol {
+    /// vLLM's NixlConnector: the prefill leg first (`max_tokens: 1`, `kv_transfer_params`
+    /// asking for a remote decode), then the decode leg with the prefill's answer's
+    /// `kv_transfer_params`.
+    Vllm,
+    /// SGLang's `--disaggregation-mode`: the same body, with `bootstrap_host`,
+    /// `bootstrap_port` and `bootstrap_room`, to both legs at once.
+    Sglang,
+}
+
 #[derive(Debug, Clone, Args)]
 pub struct GatewayArgs {
     /// A worker: `URL` (an OpenAI-compatible server, e.g. `http://10.0.0.1:8000`, whose cache
@@ -25,6 +38,22 @@ pub struct GatewayArgs {
     /// events there). Repeatable.
     #[arg(long = "worker", value_name = "URL[=tcp://HOST:PORT]")]
     pub workers: Vec<String>,
+    /// A prefill worker of disaggregated serving (with --pd-protocol): `--worker`'s syntax,
+    /// then `@PORT` for an SGLang prefill worker's bootstrap port. Repeatable.
+    #[arg(
+        long = "prefill",
+        value_name = "URL[=tcp://HOST:PORT][@BOOTSTRAP_PORT]"
+    )]
+    pub prefill_workers: Vec<String>,
+    /// A decode worker of disaggregated serving (with --pd-protocol): `--worker`'s syntax.
+    /// Repeatable.
+    #[arg(long = "decode", value_name = "URL[=tcp://HOST:PORT]")]
+    pub decode_workers: Vec<String>,
+    /// Serve requests disaggregated: each one's prefill on a prefill worker and its decode on
+    /// a decode worker, in vLLM's or SGLang's protocol (short or cached prompts run whole on a
+    /// decode worker: `--pd-bypass-tokens`).
+    #[arg(long, env = "KVROUTE_PD_PROTOCOL", value_enum)]
+    pub pd_protocol: Option<PdProtocol>,
     /// The KV block size of the `--worker` workers (vLLM's `--block-size`).
     #[arg(long, env = "KVROUTE_BLOCK_SIZE", default_value_t = 16)]
     pub block_size: u32,
@@ -101,6 +130,8 @@ pub struct GatewayArgs {
 #[derive(Debug, Clone)]
 pub struct GatewayConfig {
     pub workers: Vec<WorkerEntry>,
+    /// `None`: every request runs whole on one worker.
+    pub pd_protocol: Option<PdProtocol>,
     pub default_model: String,
     pub block_size: u32,
     pub max_num_batched_tokens: Option<u64>,
@@ -167,6 +198,23 @@ impl GatewayArgs {
                     .map_err(|e| format!("--worker {raw}: {e}"))
             })
             .collect::<Result<Vec<_>, _>>()?;
+        let mut workers = workers;
+        for (flag, role, raws) in [
+            ("--prefill", WorkerRole::Prefill, &self.prefill_workers),
+            ("--decode", WorkerRole::Decode, &self.decode_workers),
+        ] {
+            if !raws.is_empty() && self.pd_protocol.is_none() {
+                return Err(format!("{flag} needs --pd-protocol vllm or sglang"));
+            }
+            for raw in raws {
+                let worker = parse_role_flag(raw, role, &self.model, self.block_size)
+                    .map_err(|e| format!("{flag} {raw}: {e}"))?;
+                workers.push(WorkerEntry {
+                    max_num_batched_tokens: self.max_num_batched_tokens,
+                    ..worker
+                });
+            }
+        }
         let tokenizers = self
             .tokenizers
             .iter()
@@ -199,6 +247,7 @@ impl GatewayArgs {
             .collect::<Result<Vec<_>, _>>()?;
         Ok(GatewayConfig {
             workers,
+            pd_protocol: self.pd_protocol,
             default_model: self.model.clone(),
             block_size: self.block_size,
             max_num_batched_tokens: self.max_num_batched_tokens,
@@ -275,6 +324,29 @@ mod tests {
                 .all(|w| w.model == "llama" && w.block_size == 32)
         );
         assert_eq!(config.request_timeout, Duration::from_secs(600));
+        assert_eq!(config.pd_protocol, None);
+        let pd = validate(&[
+            "--pd-protocol",
+            "sglang",
+            "--prefill",
+            "http://127.0.0.1:8001=tcp://127.0.0.1:5601@9001",
+            "--decode",
+            "http://127.0.0.1:8002",
+        ])
+        .unwrap();
+        assert_eq!(pd.pd_protocol, Some(PdProtocol::Sglang));
+        let roles: Vec<_> = pd
+            .workers
+            .iter()
+            .map(|w| (w.role, w.bootstrap_port))
+            .collect();
+        assert_eq!(
+            roles,
+            [
+                (WorkerRole::Prefill, Some(9001)),
+                (WorkerRole::Decode, None)
+            ]
+        );
         assert_eq!(config.health_check_every, Some(Duration::from_secs(5)));
         assert!(config.upstream_authorization.is_none());
     }
@@ -307,6 +379,15 @@ mod tests {
                 .contains("MODEL=PATH")
         );
         assert!(validate(&["--upstream-api-key", ""]).is_err());
+        assert_eq!(
+            validate(&["--prefill", "http://h:1"]).unwrap_err(),
+            "--prefill needs --pd-protocol vllm or sglang"
+        );
+        assert!(
+            validate(&["--pd-protocol", "vllm", "--decode", "http://h:1@8998"])
+                .unwrap_err()
+                .starts_with("--decode http://h:1@8998:")
+        );
         assert_eq!(
             validate(&["--upstream-api-key", "k"])
                 .unwrap()

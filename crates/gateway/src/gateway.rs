@@ -7,12 +7,14 @@ use crate::client::{self, UpstreamClient};
 use crate::config::GatewayConfig;
 use crate::health::HealthHandle;
 use crate::metrics::GatewayMetrics;
+use crate::mismatch::MismatchWatch;
 use crate::policy::Policy;
 use crate::proxy::ResponseLimits;
 use crate::tokenize::{RemoteTokenizer, TokenizeMode, Tokenizers};
 use crate::workers::{self, FileDefaults, FileWorkers};
 use kvroute_service::AppState;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 /// Everything a gateway request reads.
@@ -23,6 +25,11 @@ pub struct Gateway {
     pub(crate) health: HealthHandle,
     pub(crate) tokenizers: Tokenizers,
     pub(crate) policy: Policy,
+    /// The engines' counts held against the gateway's (`tokenizer_mismatch`, `cache_mismatch`).
+    pub(crate) mismatch: Arc<MismatchWatch>,
+    /// Makes the request ids the gateway gives both legs of a disaggregated request unique.
+    nonce: u64,
+    requests: AtomicU64,
 }
 
 impl std::fmt::Debug for Gateway {
@@ -57,11 +64,22 @@ impl Gateway {
         Ok(Arc::new(Self {
             health: HealthHandle::new(Breakers::new(config.breaker), metrics),
             policy: Policy::new(config.policy),
+            mismatch: MismatchWatch::new(link.clone()),
             link,
             config,
             client,
             tokenizers,
+            nonce: rand::random(),
+            requests: AtomicU64::new(0),
         }))
+    }
+
+    pub(crate) fn nonce(&self) -> u64 {
+        self.nonce
+    }
+
+    pub(crate) fn next_request_number(&self) -> u64 {
+        self.requests.fetch_add(1, Ordering::Relaxed)
     }
 
     pub fn config(&self) -> &GatewayConfig {

@@ -30,12 +30,14 @@
 //! |---|---|
 //! | [`error`] | `GatewayError`: OpenAI's error shape, and a stream's last event |
 //! | [`openai`] | the routes' paths and the few request fields the gateway reads |
+//! | [`usage`] | an answer's prompt counts (`usage`), streamed or whole |
 //! | [`sse`] | counting a stream's tokens without copying its text |
 //! | [`breaker`] | one worker's circuit breaker (pure: time is an argument) |
 //! | [`metrics`] | `kvroute_gateway_*` |
 //! | [`client`] | the pooled hyper client to the workers |
 //! | [`tokenize`] | all tokenizing: local (`model`, chat `template`), `remote`, estimates |
 //! | [`booking`] | **the only calls into the service** (`kvroute_service::Service`, behind `ServiceLink`), and the `Booking` a request holds |
+//! | [`mismatch`] | the engines' `usage` held against the gateway's counts: `tokenizer_mismatch`, `cache_mismatch` |
 //! | [`health`] | the breakers, the health checks, and the `HealthHandle` a response holds |
 //! | [`workers`] | workers from the flags and the workers file, and its watch |
 //! | [`config`] | the flags |
@@ -43,6 +45,7 @@
 //! | [`proxy`] | the response body that drives and frees the booking |
 //! | [`gateway`] | `Gateway`: the state every request reads; the background tasks |
 //! | [`upstream`] | booking, dispatch, retries, the answer's head |
+//! | [`pd`] | disaggregated prefill and decode: both legs' bookings and bodies (`--pd-protocol`) |
 //! | [`routes`] | the axum routes and handlers |
 #![forbid(unsafe_code)]
 
@@ -54,13 +57,16 @@ pub mod error;
 pub mod gateway;
 pub mod health;
 pub mod metrics;
+pub mod mismatch;
 pub mod openai;
+pub mod pd;
 pub mod policy;
 pub mod proxy;
 pub mod routes;
 pub mod sse;
 pub mod tokenize;
 pub mod upstream;
+pub mod usage;
 pub mod workers;
 
 #[cfg(test)]

@@ -13,6 +13,7 @@
 use crate::booking::Booking;
 use crate::error::GatewayError;
 use crate::health::HealthHandle;
+use crate::mismatch::UsageProbe;
 use crate::sse::SseScanner;
 use axum::http::StatusCode;
 use bytes::Bytes;
@@ -47,6 +48,8 @@ pub struct ProxyBody {
     deadline: Pin<Box<Sleep>>,
     dispatched_at: Instant,
     finished: bool,
+    /// Reads the answer's `usage` for the comparison of counts (`crate::mismatch`).
+    probe: Option<UsageProbe>,
 }
 
 impl ProxyBody {
@@ -71,15 +74,28 @@ impl ProxyBody {
             deadline,
             dispatched_at,
             finished: false,
+            probe: None,
         }
+    }
+
+    /// Hands the answer's `usage` to `probe` when it ends complete.
+    pub fn with_usage_probe(mut self, probe: UsageProbe) -> Self {
+        self.probe = Some(probe);
+        self
     }
 
     /// Reads a streamed frame for the lifecycle.
     fn observe(&mut self, data: &Bytes) {
         let (Some(scanner), Some(booking)) = (self.scanner.as_mut(), self.booking.as_mut()) else {
+            if let Some(probe) = self.probe.as_mut() {
+                probe.document_bytes(data);
+            }
             return;
         };
         let outcome = scanner.scan(data);
+        if let (Some(usage), Some(probe)) = (outcome.usage_prompt, self.probe.as_mut()) {
+            probe.stream_usage(usage);
+        }
         if outcome.tokens > 0 && !booking.is_prefilled() {
             booking.prefill_complete();
             self.first_token = None;
@@ -100,6 +116,11 @@ impl ProxyBody {
     fn finish(&mut self, end: &'static str) {
         self.finished = true;
         self.first_token = None;
+        if let Some(probe) = self.probe.take()
+            && end == "complete"
+        {
+            probe.finish();
+        }
         if let Some(mut booking) = self.booking.take() {
             booking.free();
             self.health.metrics().ended(end);

@@ -8,6 +8,7 @@
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::openai::{Kind, OpenAiRequest, route};
+use crate::pd;
 use crate::tokenize::RoutingPrompt;
 use crate::upstream::{self, Outbound};
 use axum::Router;
@@ -55,6 +56,7 @@ async fn handle(gateway: &Gateway, kind: Kind, request: Request) -> Result<Respo
     } else {
         None
     };
+    let request_id = request.headers().get("x-request-id").cloned();
     let body = gateway.link.read_body(request).await?;
     let mut parsed = OpenAiRequest::parse(&body)?;
     let model = parsed
@@ -88,8 +90,12 @@ async fn handle(gateway: &Gateway, kind: Kind, request: Request) -> Result<Respo
         tenant: tenant.as_deref(),
         session: parsed.session_id.as_deref().or(session_header.as_deref()),
         client_authorization,
+        request_id,
     };
-    upstream::dispatch(gateway, out).await
+    match gateway.config.pd_protocol {
+        Some(protocol) => pd::dispatch(gateway, out, protocol).await,
+        None => upstream::dispatch(gateway, out).await,
+    }
 }
 
 async fn completions(State(gateway): State<Arc<Gateway>>, request: Request) -> Response {

@@ -15,6 +15,7 @@
 //! `finish_reason` carry none. A `usage` chunk's `completion_tokens`, when the client asked for
 //! it, corrects the count.
 
+use crate::usage::PromptUsage;
 use serde::Deserialize;
 use serde::de::{self, Deserializer, IgnoredAny, Visitor};
 use std::fmt;
@@ -29,6 +30,8 @@ pub struct ChunkInfo {
     pub tokens: u64,
     /// `usage.completion_tokens`, when present.
     pub usage_completion_tokens: Option<u64>,
+    /// `usage`'s prompt counts, when present.
+    pub usage_prompt: Option<PromptUsage>,
     /// `data: [DONE]`.
     pub done: bool,
     /// The engine reported an error in the stream (`{"error": ...}`).
@@ -41,6 +44,8 @@ pub struct ScanOutcome {
     pub tokens: u64,
     /// The largest `usage.completion_tokens` seen.
     pub usage_completion_tokens: Option<u64>,
+    /// The last `usage`'s prompt counts seen.
+    pub usage_prompt: Option<PromptUsage>,
     pub done: bool,
     pub error: bool,
 }
@@ -51,6 +56,7 @@ impl ScanOutcome {
         self.usage_completion_tokens = self
             .usage_completion_tokens
             .max(chunk.usage_completion_tokens);
+        self.usage_prompt = chunk.usage_prompt.or(self.usage_prompt);
         self.done |= chunk.done;
         self.error |= chunk.error;
     }
@@ -123,7 +129,16 @@ pub fn chunk_info(payload: &[u8]) -> ChunkInfo {
     };
     ChunkInfo {
         tokens: chunk.choices.iter().map(Choice::tokens).sum(),
-        usage_completion_tokens: chunk.usage.and_then(|u| u.completion_tokens),
+        usage_completion_tokens: chunk.usage.as_ref().and_then(|u| u.completion_tokens),
+        usage_prompt: chunk.usage.as_ref().and_then(|u| {
+            Some(PromptUsage {
+                prompt_tokens: u.prompt_tokens?,
+                cached_tokens: u
+                    .prompt_tokens_details
+                    .as_ref()
+                    .and_then(|d| d.cached_tokens),
+            })
+        }),
         done: false,
         error: chunk.error.is_some(),
     }
@@ -143,6 +158,16 @@ struct Chunk {
 struct Usage {
     #[serde(default)]
     completion_tokens: Option<u64>,
+    #[serde(default)]
+    prompt_tokens: Option<u64>,
+    #[serde(default)]
+    prompt_tokens_details: Option<Details>,
+}
+
+#[derive(Deserialize)]
+struct Details {
+    #[serde(default)]
+    cached_tokens: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -251,7 +276,7 @@ mod tests {
         ": a comment\n",
         "event: message\n",
         "data: {\"id\":\"c1\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n",
-        "data: {\"id\":\"c1\",\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":2,\"total_tokens\":7}}\n\n",
+        "data: {\"id\":\"c1\",\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":2,\"total_tokens\":7,\"prompt_tokens_details\":{\"cached_tokens\":3}}}\n\n",
         "data: [DONE]\n\n",
     );
 
@@ -264,6 +289,10 @@ mod tests {
             ScanOutcome {
                 tokens: 2,
                 usage_completion_tokens: Some(2),
+                usage_prompt: Some(PromptUsage {
+                    prompt_tokens: 5,
+                    cached_tokens: Some(3),
+                }),
                 done: true,
                 error: false,
             }
@@ -324,6 +353,7 @@ mod tests {
                 let part = scanner.scan(&bytes[at..cut.max(at)]);
                 total.tokens += part.tokens;
                 total.usage_completion_tokens = total.usage_completion_tokens.max(part.usage_completion_tokens);
+                total.usage_prompt = part.usage_prompt.or(total.usage_prompt);
                 total.done |= part.done;
                 at = cut.max(at);
             }

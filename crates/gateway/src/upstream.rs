@@ -10,6 +10,7 @@ use crate::booking::{BookRequest, Booking};
 use crate::client::error_chain;
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
+use crate::mismatch::Expected;
 use crate::openai::{Kind, OpenAiRequest};
 use crate::proxy::ProxyBody;
 use crate::tokenize::RoutingPrompt;
@@ -34,6 +35,8 @@ pub struct Outbound<'a> {
     pub session: Option<&'a str>,
     /// The client's `Authorization`, when it is forwarded.
     pub client_authorization: Option<HeaderValue>,
+    /// The client's `X-Request-Id` (both legs of a disaggregated request carry one id).
+    pub request_id: Option<HeaderValue>,
 }
 
 /// Books a worker and sends it the request, the next-best one after a connection failure.
@@ -142,7 +145,7 @@ async fn book(
     }
 }
 
-fn upstream_request(
+pub(crate) fn upstream_request(
     gateway: &Gateway,
     endpoint: &str,
     kind: Kind,
@@ -170,7 +173,7 @@ fn upstream_request(
 }
 
 /// The engine answered: its status and body go to the client, the body driving the booking.
-fn respond(
+pub(crate) fn respond(
     gateway: &Gateway,
     response: hyper::Response<hyper::body::Incoming>,
     mut booking: Booking,
@@ -196,8 +199,11 @@ fn respond(
         booking.prefill_complete();
     }
     let worker_id = booking.worker_id;
+    let probe = status
+        .is_success()
+        .then(|| gateway.mismatch.probe(worker_id, expected(&booking)));
     let (parts, incoming) = response.into_parts();
-    let body = ProxyBody::new(
+    let mut body = ProxyBody::new(
         incoming,
         gateway.health.clone(),
         gateway.response_limits(),
@@ -205,6 +211,9 @@ fn respond(
         streaming,
         dispatched_at,
     );
+    if let Some(probe) = probe {
+        body = body.with_usage_probe(probe);
+    }
     let mut out = Response::new(Body::new(body));
     *out.status_mut() = parts.status;
     copy_headers(&parts.headers, out.headers_mut());
@@ -212,6 +221,16 @@ fn respond(
         out.headers_mut().insert("x-kvroute-worker-id", value);
     }
     out
+}
+
+/// What the booking predicted, for the comparison with the answer's `usage`.
+fn expected(booking: &Booking) -> Expected {
+    Expected {
+        prompt_tokens: booking.routed.prompt_tokens,
+        cached_tokens: booking.routed.cached_tokens,
+        cached_tokens_max: booking.routed.cached_tokens_max,
+        block_size: booking.block_size(),
+    }
 }
 
 /// The headers of the engine's answer the client gets (no hop-by-hop or framing headers).

@@ -46,8 +46,12 @@ pub fn potential_loads(loads: &[RankLoadReport]) -> Value {
     http::potential_loads(loads)
 }
 
-pub fn loads(loads: &[PartitionLoads]) -> Value {
-    http::loads(loads)
+/// With each degraded worker's reasons on its ranks, as `GET /loads` shows them.
+pub fn loads(
+    loads: &[PartitionLoads],
+    degraded: &std::collections::BTreeMap<u64, Vec<kvroute_service::degraded::Degraded>>,
+) -> Value {
+    http::loads_with_degraded(loads, degraded)
 }
 
 /// The index in `GET /dump`'s shape (`indexer_snapshot`).

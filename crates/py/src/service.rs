@@ -805,7 +805,8 @@ impl SelectionService {
     ) -> PyResult<Bound<'py, PyAny>> {
         let value = py.detach(|| {
             self.core.run(|service| {
-                render::loads(&service.loads(model_name.as_deref(), routing_group.as_deref()))
+                let loads = service.loads(model_name.as_deref(), routing_group.as_deref());
+                render::loads(&loads, &service.degraded())
             })
         });
         to_py(py, &value)

@@ -234,6 +234,15 @@ pub struct ServeConfig {
     /// many of the prompt's tokens (SPEC §6.1).
     #[arg(long, env = "KVROUTE_PD_BYPASS_TOKENS", default_value_t = kvroute_core::selector::DEFAULT_PD_BYPASS_TOKENS)]
     pub pd_bypass_tokens: u64,
+    /// A worker with a KV-event endpoint that got --kv-silence-bookings bookings over at least
+    /// this many seconds and no KV-event message since the first of them is reported as routing
+    /// blind (`no_kv_events`: the gauge `kvroute_routing_degraded`, a warning, `GET /loads`);
+    /// 0 turns the check off.
+    #[arg(long, env = "KVROUTE_KV_SILENCE_SECS", default_value_t = 30)]
+    pub kv_silence_secs: u64,
+    /// See --kv-silence-secs (at least 1).
+    #[arg(long, env = "KVROUTE_KV_SILENCE_BOOKINGS", default_value_t = 20)]
+    pub kv_silence_bookings: u64,
 
     /// Replica sync over NATS (SPEC §10).
     #[command(flatten)]
@@ -407,6 +416,8 @@ impl ServeConfig {
             ingest_nice: 10,
             engine_metrics_poll_ms: None,
             pd_bypass_tokens: kvroute_core::selector::DEFAULT_PD_BYPASS_TOKENS,
+            kv_silence_secs: 30,
+            kv_silence_bookings: 20,
             sync: crate::sync::SyncConfig::default(),
         }
     }
@@ -576,6 +587,21 @@ impl ServeConfig {
                 "--engine-metrics-poll-ms must be between 10 and 60000 (got {ms})"
             )),
         }
+    }
+
+    /// The `no_kv_events` rule of `--kv-silence-secs` and `--kv-silence-bookings`; `None` when
+    /// off (0 seconds, or `--no-kv-events`: nothing listens).
+    pub fn kv_silence_rule(&self) -> Result<Option<crate::degraded::SilenceRule>, String> {
+        if self.kv_silence_bookings == 0 {
+            return Err("--kv-silence-bookings must be at least 1".to_string());
+        }
+        if self.kv_silence_secs == 0 || self.no_kv_events {
+            return Ok(None);
+        }
+        Ok(Some(crate::degraded::SilenceRule {
+            window: Duration::from_secs(self.kv_silence_secs),
+            bookings: self.kv_silence_bookings,
+        }))
     }
 
     /// The admission queue's settings; `None` without `--queue-threshold`.

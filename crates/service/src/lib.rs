@@ -13,6 +13,8 @@
 //! - [`api`]: the service's operations, transport-free, with typed results; [`Service`] is the
 //!   handle of in-process callers (the gateway, Python).
 //! - [`courtesy`]: background threads yield the CPU after each stretch of work.
+//! - [`degraded`]: the workers whose routing went blind (no KV events, another block size, a
+//!   mismatched tokenizer or cache), each with what to fix.
 //! - [`config`]: every knob as a CLI flag and a `KVROUTE_*` environment variable, validated.
 //! - [`engine_load`]: engines' own load, polled from their `/metrics` (opt-in).
 //! - [`error`]: the one error → response mapping.
@@ -25,7 +27,7 @@
 //! - [`types`]: the JSON request and response bodies.
 //!
 //! The modules depend on each other in one direction only, each on modules listed before it:
-//! courtesy, error, types, metrics, ingest, sync, admission::queue, config, state, engine_load,
+//! courtesy, error, types, degraded, metrics, ingest, sync, admission::queue, config, state, engine_load,
 //! admission, api, http, sync_tasks (held by the test `tests::modules_depend_in_one_direction`). The admission
 //! queue's data sits below the state that holds it; the rest of admission above it.
 //!
@@ -37,6 +39,7 @@ pub mod admission;
 pub mod api;
 pub mod config;
 pub mod courtesy;
+pub mod degraded;
 pub mod engine_load;
 pub mod error;
 pub mod http;

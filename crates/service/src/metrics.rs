@@ -160,6 +160,10 @@ pub struct Metrics {
     engine_poll_errors: Family<ReasonLabel, Counter>,
     /// Replica sync over NATS (`kvroute_sync_*`).
     pub sync: SyncMetrics,
+    /// The workers whose routing is degraded (`kvroute_routing_degraded`), with what to fix:
+    /// kept here because the listeners, the bookings and the gateway all report into it and
+    /// all already hold the metrics.
+    pub degraded: crate::degraded::Degradation,
     /// The admission queue (`kvroute_queue_*`).
     pub queue: QueueMetrics,
     /// Registries of other crates serving on the service's port (the gateway's), rendered after
@@ -382,7 +386,14 @@ impl Metrics {
         );
         let sync = SyncMetrics::register(&mut registry);
         let queue = QueueMetrics::register(&mut registry);
+        let degraded = crate::degraded::Degradation::new();
+        registry.register(
+            "routing_degraded",
+            "1 while a worker's routing is degraded for the reason (no_kv_events, block_size_mismatch, tokenizer_mismatch, cache_mismatch), 0 once cleared; GET /loads says what to fix",
+            degraded.gauge(),
+        );
         Self {
+            degraded,
             engine_polls,
             engine_poll_errors,
             queue,

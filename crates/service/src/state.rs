@@ -298,6 +298,10 @@ fn run_applier(
 /// | `Freed`             |                    | `booking_changed`  | yes             | yes             |
 /// | `Expired`           |                    |                    | yes             | yes             |
 ///
+/// Besides, `WorkerUpserted`, `WorkerDeleted` and `Booked` update the worker's watch for
+/// routing degradations (`crate::degraded`: what its silence means, its bookings since its
+/// last KV event).
+///
 /// "Sessions shared": the session bindings this replica changed go to replica sync (a booking
 /// binds its session, its end starts the binding's TTL, a refusal may drop it). "Admission
 /// woken": the change may free capacity, so the admission task takes a pass over the queue
@@ -312,7 +316,10 @@ pub enum Change<'a> {
     /// A worker was deleted (its bookings ended).
     WorkerDeleted(u64),
     /// A booking was made (by `POST /reservations` or `/select_and_reserve`).
-    Booked(&'a str),
+    Booked {
+        reservation_id: &'a str,
+        worker_id: u64,
+    },
     /// A `/select_and_reserve` was refused.
     BookingRefused,
     /// A booking's prefill completed.
@@ -345,9 +352,11 @@ impl AppState {
     /// Builds the state from a validated configuration (the message names a bad knob).
     pub fn new(config: ServeConfig) -> Result<Arc<Self>, String> {
         let selector_config = config.validate()?;
+        let silence = config.kv_silence_rule()?;
         let admission = crate::admission::queue::AdmissionQueues::new(config.queue_settings()?);
         let selector = Arc::new(RwLock::new(Selector::new(selector_config)));
         let metrics = Arc::new(Metrics::new());
+        metrics.degraded.set_silence_rule(silence);
         let (queue, receiver) = std::sync::mpsc::sync_channel(APPLY_QUEUE);
         let sink = Arc::new(SelectorSink {
             queue,
@@ -413,16 +422,24 @@ impl AppState {
                 events_changed,
             } => {
                 self.sync_listeners(record, events_changed);
+                self.metrics
+                    .degraded
+                    .worker_registered(record, !self.config.no_kv_events);
                 self.sync.catalog_changed(record.spec.worker_id);
                 self.admission.wake();
             }
             Change::WorkerDeleted(worker_id) => {
                 self.ingest.remove_worker(worker_id);
+                self.metrics.degraded.worker_deleted(worker_id);
                 self.sync.catalog_changed(worker_id);
                 self.share_session_changes();
                 self.admission.wake();
             }
-            Change::Booked(id) => {
+            Change::Booked {
+                reservation_id: id,
+                worker_id,
+            } => {
+                self.metrics.degraded.booked(worker_id, self.now());
                 self.sync.booking_changed(id);
                 self.share_session_changes();
             }
@@ -517,6 +534,7 @@ impl AppState {
     pub fn tick(&self, now: Instant) {
         let outcome = self.selector.write().tick(now);
         self.changed(Change::Expired);
+        self.metrics.degraded.check(now);
         if !outcome.expired_reservations.is_empty() {
             tracing::info!(
                 count = outcome.expired_reservations.len(),
@@ -749,7 +767,13 @@ mod tests {
         assert!(!woken(&state));
         let cases = [
             (Change::WorkerDeleted(7), true),
-            (Change::Booked("r"), false),
+            (
+                Change::Booked {
+                    reservation_id: "r",
+                    worker_id: 1,
+                },
+                false,
+            ),
             (Change::BookingRefused, false),
             (Change::PrefillCompleted("r"), true),
             (Change::OutputBlock("r"), false),

@@ -11,6 +11,7 @@ const ORDER: &[&str] = &[
     "courtesy",
     "error",
     "types",
+    "degraded",
     "metrics",
     "ingest",
     "sync",

@@ -423,6 +423,9 @@ pub struct SelectBody {
     /// Pick a prefill and a decode worker (SPEC §6.1; kvroute's field).
     #[serde(default)]
     pub disaggregated: bool,
+    /// Whether a `decode` worker may run the request whole (default true; false for SGLang
+    /// decode engines, which need a prefill peer): SPEC §6.1, kvroute's field.
+    pub decode_runs_whole: Option<bool>,
 }
 
 impl SelectBody {

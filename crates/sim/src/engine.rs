@@ -373,6 +373,63 @@ impl Engine {
         Ok(true)
     }
 
+    /// Holds the leading resident blocks of `sequence` (sequence hashes, root first) as a
+    /// request would: they count as in use and cannot be evicted until
+    /// [`release_held`](Self::release_held). A disaggregated prefill engine keeps a finished
+    /// prompt's blocks this way until a decode engine has read them. Returns how many leading
+    /// blocks it holds (it stops at the first one not resident). Between steps only.
+    pub fn hold_prefix(&mut self, sequence: &[u64]) -> usize {
+        if self.in_step {
+            return 0;
+        }
+        let resident = self.pool.cached_prefix_blocks(sequence);
+        let held = &sequence[..resident];
+        if self.pool.try_allocate(held, 0) {
+            resident
+        } else {
+            0
+        }
+    }
+
+    /// Releases blocks [`hold_prefix`](Self::hold_prefix) held (exactly the prefix it
+    /// returned). They stay cached, free for eviction.
+    pub fn release_held(&mut self, held: &[u64]) {
+        self.pool.release(held, 0);
+    }
+
+    /// Caches the first `blocks` blocks of `request`'s prompt as if computed elsewhere and
+    /// copied in (a disaggregated decode engine receiving a prefill's KV): each block not yet
+    /// resident is allocated and filled, so it is reported as a `Stored` event at the end of
+    /// the next step, then left free, so the request's admission finds it as a prefix hit.
+    /// Returns how many leading blocks are resident afterwards (fewer when the pool is full).
+    /// Between steps only.
+    pub fn import_prefix(&mut self, request: &SimRequest, blocks: usize) -> usize {
+        if self.in_step {
+            return 0;
+        }
+        let blocks = blocks.min(request.prompt.sequence.len());
+        let mut parent = None;
+        for i in 0..blocks {
+            let sequence = request.prompt.sequence[i];
+            if !self.pool.is_cached(sequence) {
+                if !self.pool.try_allocate(&[], 1) {
+                    return i;
+                }
+                let local = request.prompt.local.get(i).copied().unwrap_or(sequence);
+                self.pool.fill(
+                    parent,
+                    StoredBlock {
+                        engine_hash: sequence,
+                        local_hash: local,
+                    },
+                );
+                self.pool.release(&[sequence], 0);
+            }
+            parent = Some(sequence);
+        }
+        blocks
+    }
+
     /// Schedules a step and returns how long it lasts, or `None` when there is nothing to run.
     /// `requests` holds the requests the ids name.
     pub fn start_step<R: RequestSource + ?Sized>(
@@ -660,6 +717,53 @@ mod tests {
         // Both were admitted in one step and each sampled its first token at its end.
         assert_eq!(reports[0].first_tokens, vec![1, 2]);
         assert_eq!(reports[0].finished, vec![2]);
+    }
+
+    #[test]
+    fn held_blocks_survive_pressure_and_imported_blocks_are_hits() {
+        let a: Vec<u32> = (0..17).collect(); // 4 full blocks + 1 token
+        let b: Vec<u32> = (100..117).collect();
+        let requests = vec![request(&a, 1), request(&b, 1), request(&a, 3)];
+        // Room for one prompt at a time: b's allocation must evict a's blocks unless held.
+        let mut engine = Engine::new(config(Some(6), 1024));
+        engine.submit(0, &requests[0]);
+        drain(&mut engine, &requests);
+        let prompt = &requests[0].prompt.sequence[..4];
+        assert_eq!(engine.hold_prefix(prompt), 4);
+        assert_eq!(engine.pool().in_use(), 4);
+        // b needs 5 blocks of the 6 and 4 are held: it waits, and a's blocks stay.
+        engine.submit(1, &requests[1]);
+        assert_eq!(engine.start_step(&requests).unwrap(), None);
+        assert_eq!(engine.pool().cached_prefix_blocks(prompt), 4);
+        engine.release_held(prompt);
+        assert_eq!(engine.pool().in_use(), 0);
+        let reports = drain(&mut engine, &requests);
+        assert_eq!(first_admissions(&reports), vec![(1, 0)]);
+        assert!(
+            engine.pool().cached_prefix_blocks(prompt) < 4,
+            "evicted once released"
+        );
+
+        // A decode engine receiving a's prompt: the imported blocks are stored events, then hits.
+        let mut decode = Engine::new(config(Some(64), 1024));
+        assert_eq!(decode.import_prefix(&requests[2], 4), 4);
+        assert_eq!(decode.pool().in_use(), 0, "imported blocks are left free");
+        decode.submit(2, &requests[2]);
+        let reports = drain(&mut decode, &requests);
+        assert_eq!(first_admissions(&reports), vec![(2, 16)]);
+        let stored: Vec<u64> = reports[0]
+            .events
+            .iter()
+            .flat_map(|e| match e {
+                KvEvent::Stored { blocks, .. } => blocks.iter().map(|b| b.engine_hash).collect(),
+                _ => Vec::new(),
+            })
+            .collect();
+        assert_eq!(
+            &stored[..4],
+            prompt,
+            "the received blocks are published first"
+        );
     }
 
     #[test]

@@ -13,6 +13,7 @@
 //! - [`openai_engine`]: a mock OpenAI-compatible engine (vLLM's routes) running the simulator's
 //!   engine model in real time and publishing its KV events (`kvroute fake-engine --openai`).
 //! - [`client`]: a minimal keep-alive HTTP/1.1 client (the load generator, real-socket tests).
+//! - [`logs`]: the process's log lines captured, for tests that check a warning was written.
 //! - [`trace`]: prompts expanded from a Mooncake trace's hash ids (`kvroute loadgen --trace`).
 //!
 //! The dependencies go one way: this crate uses `kvroute-service` (its CPU courtesy for
@@ -24,5 +25,6 @@
 pub mod client;
 pub mod fake_engine;
 pub mod fleet;
+pub mod logs;
 pub mod openai_engine;
 pub mod trace;

@@ -955,3 +955,43 @@ async fn metrics_reports_running_waiting_and_kv_usage_as_vllm_does() {
     request.abort();
     engine.kill();
 }
+
+/// A prompt prefix the router does not know is in the engine's usage but not in `/tokenize`,
+/// and without prompt-token details the usage has none (vLLM's default).
+#[tokio::test]
+async fn a_prompt_prefix_counts_in_usage_only_and_details_can_be_left_out() {
+    let engine = start(MockEngineConfig {
+        prompt_prefix_tokens: 5,
+        prompt_tokens_details: false,
+        ..fast()
+    })
+    .await;
+    let (_, tokenized) = post(engine.addr(), "/tokenize", &json!({"prompt": "hello"})).await;
+    assert_eq!(tokenized["count"], 5);
+    let (status, body) = post(
+        engine.addr(),
+        "/v1/completions",
+        &json!({"prompt": "hello", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(body["usage"]["prompt_tokens"], 10);
+    assert_eq!(body["usage"]["prompt_tokens_details"], Value::Null);
+    assert!(
+        body["usage"]
+            .as_object()
+            .unwrap()
+            .contains_key("prompt_tokens_details")
+    );
+    engine.set_prompt_prefix_tokens(0);
+    let (_, body) = post(
+        engine.addr(),
+        "/v1/completions",
+        &json!({"prompt": "hello", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(body["usage"]["prompt_tokens"], 5);
+    engine.shutdown().await;
+}
+#[path = "openai_engine/pd.rs"]
+mod pd;

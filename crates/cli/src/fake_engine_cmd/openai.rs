@@ -8,7 +8,10 @@ use super::FakeEngineArgs;
 use crate::serve_cmd::shutdown_signal;
 use clap::Args;
 use kvroute_sim::EngineConfig;
-use kvroute_testkit::openai_engine::{DEFAULT_KV_BLOCKS, MockEngine, MockEngineConfig};
+use kvroute_testkit::openai_engine::{
+    DEFAULT_BOOTSTRAP_PORT, DEFAULT_KV_BLOCKS, DEFAULT_KV_BYTES_PER_TOKEN,
+    DEFAULT_KV_TRANSFER_GBPS, MockEngine, MockEngineConfig, PdConfig, PdProtocol, PdRole,
+};
 use std::io::Write;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
@@ -48,6 +51,48 @@ pub struct OpenAiArgs {
     /// Most requests running at once.
     #[arg(long, default_value_t = 256)]
     pub max_num_seqs: usize,
+    /// Tokens put before every prompt the engine generates from (not in /tokenize), as a chat
+    /// template the router does not know would: a way to see the router report
+    /// `tokenizer_mismatch`.
+    #[arg(long, default_value_t = 0)]
+    pub prompt_prefix_tokens: u32,
+    /// Answer `usage.prompt_tokens_details: null`, as vLLM does without
+    /// --enable-prompt-tokens-details (by default the mock reports `cached_tokens`).
+    #[arg(long)]
+    pub no_prompt_tokens_details: bool,
+    /// Disaggregated prefill/decode role: `prefill` computes prompts and holds their KV for a
+    /// decode engine, `decode` pulls it before decoding, `both` runs whole requests.
+    #[arg(long, value_enum, default_value_t = RoleArg::Both)]
+    pub role: RoleArg,
+    /// The P/D protocol of a prefill or decode engine: vLLM's NixlConnector
+    /// (`kv_transfer_params`) or SGLang's bootstrap rooms.
+    #[arg(long, value_enum)]
+    pub pd_protocol: Option<ProtocolArg>,
+    /// KV transfer bandwidth in Gbit/s: a transfer lasts its bytes over this.
+    #[arg(long, default_value_t = DEFAULT_KV_TRANSFER_GBPS)]
+    pub kv_transfer_gbps: f64,
+    /// KV bytes per token (default: Llama-3-8B in bf16, 32 layers x 8 KV heads x 128 x 2 x 2).
+    #[arg(long, default_value_t = DEFAULT_KV_BYTES_PER_TOKEN)]
+    pub kv_bytes_per_token: u64,
+    /// Seconds a prefill engine holds KV blocks no decode engine pulls.
+    #[arg(long, default_value_t = 480.0)]
+    pub kv_hold_timeout_secs: f64,
+    /// The SGLang prefill engine's bootstrap server port (0 picks one; the address is printed).
+    #[arg(long, default_value_t = DEFAULT_BOOTSTRAP_PORT)]
+    pub bootstrap_port: u16,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RoleArg {
+    Both,
+    Prefill,
+    Decode,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProtocolArg {
+    Vllm,
+    Sglang,
 }
 
 /// The engine's configuration and HTTP address, or what is wrong.
@@ -61,6 +106,31 @@ fn plan(args: &FakeEngineArgs) -> Result<(MockEngineConfig, SocketAddr), String>
         .ok_or_else(|| format!("--host {} has no address", openai.host))?;
     if openai.kv_blocks == 0 {
         return Err("--kv-blocks must be greater than 0".to_string());
+    }
+    let role = match openai.role {
+        RoleArg::Both => PdRole::Both,
+        RoleArg::Prefill => PdRole::Prefill,
+        RoleArg::Decode => PdRole::Decode,
+    };
+    let protocol = openai.pd_protocol.map(|p| match p {
+        ProtocolArg::Vllm => PdProtocol::Vllm,
+        ProtocolArg::Sglang => PdProtocol::Sglang,
+    });
+    if role != PdRole::Both && protocol.is_none() {
+        return Err(format!(
+            "--role {} needs --pd-protocol vllm or sglang",
+            role.as_str()
+        ));
+    }
+    let hold_timeout = super::seconds("kv-hold-timeout-secs", openai.kv_hold_timeout_secs)?;
+    if !(openai.kv_transfer_gbps.is_finite() && openai.kv_transfer_gbps > 0.0) {
+        return Err(format!(
+            "--kv-transfer-gbps must be a positive number, got {}",
+            openai.kv_transfer_gbps
+        ));
+    }
+    if openai.kv_bytes_per_token == 0 {
+        return Err("--kv-bytes-per-token must be greater than 0".to_string());
     }
     let defaults = MockEngineConfig::default();
     let config = MockEngineConfig {
@@ -78,6 +148,17 @@ fn plan(args: &FakeEngineArgs) -> Result<(MockEngineConfig, SocketAddr), String>
         },
         time_scale: openai.time_scale,
         max_model_len: openai.max_model_len,
+        prompt_prefix_tokens: openai.prompt_prefix_tokens,
+        prompt_tokens_details: !openai.no_prompt_tokens_details,
+        pd: PdConfig {
+            role,
+            protocol,
+            kv_transfer_gbps: openai.kv_transfer_gbps,
+            kv_bytes_per_token: openai.kv_bytes_per_token,
+            hold_timeout,
+            bootstrap_port: openai.bootstrap_port,
+            ..PdConfig::default()
+        },
         ..defaults
     };
     config
@@ -109,6 +190,8 @@ pub fn run(args: &FakeEngineArgs) -> ExitCode {
 
 async fn serve(config: MockEngineConfig, addr: SocketAddr) -> ExitCode {
     let block_size = config.block_size;
+    let role = config.pd.role;
+    let protocol = config.pd.protocol;
     let engine = match MockEngine::start_on(config, addr).await {
         Ok(engine) => engine,
         Err(e) => {
@@ -122,6 +205,20 @@ async fn serve(config: MockEngineConfig, addr: SocketAddr) -> ExitCode {
         engine.url(),
         engine.events_endpoint().unwrap_or_default(),
     );
+    if let Some(protocol) = protocol
+        && role != PdRole::Both
+    {
+        let bootstrap = engine
+            .bootstrap_addr()
+            .map(|a| format!(", bootstrap server on {a}"))
+            .unwrap_or_default();
+        println!(
+            "role {} ({} P/D protocol), engine id {}{bootstrap}",
+            role.as_str(),
+            protocol.as_str(),
+            engine.engine_id()
+        );
+    }
     // The line tells a script the ports (with --port 0 or a port-0 --bind): out at once.
     let _ = std::io::stdout().flush();
     shutdown_signal().await;
@@ -172,5 +269,34 @@ mod tests {
         assert!(bad(&["--time-scale=-1"]).contains("time scale"));
         assert!(bad(&["--block-size", "0"]).contains("block-size"));
         assert!(bad(&["--max-num-seqs", "0"]).contains("max-num-seqs"));
+        assert!(bad(&["--role", "prefill"]).contains("--pd-protocol"));
+        assert!(bad(&["--kv-transfer-gbps", "0"]).contains("--kv-transfer-gbps"));
+        assert!(bad(&["--kv-bytes-per-token", "0"]).contains("--kv-bytes-per-token"));
+        assert!(bad(&["--kv-hold-timeout-secs=-1"]).contains("--kv-hold-timeout-secs"));
+    }
+
+    #[test]
+    fn roles_and_protocols_reach_the_engine() {
+        let args = parse(&[
+            "--openai",
+            "--port",
+            "0",
+            "--role",
+            "prefill",
+            "--pd-protocol",
+            "sglang",
+            "--bootstrap-port",
+            "9001",
+            "--kv-transfer-gbps",
+            "25",
+        ])
+        .unwrap();
+        let (config, _) = plan(&args).unwrap();
+        assert_eq!(config.pd.role, PdRole::Prefill);
+        assert_eq!(config.pd.protocol, Some(PdProtocol::Sglang));
+        assert_eq!(config.pd.bootstrap_port, 9001);
+        assert_eq!(config.pd.kv_transfer_gbps, 25.0);
+        let (config, _) = plan(&parse(&["--openai", "--port", "0"]).unwrap()).unwrap();
+        assert_eq!(config.pd.role, PdRole::Both, "today's behaviour by default");
     }
 }

@@ -59,22 +59,30 @@ impl Selector {
         }
         // The whole request on a decode or both worker: the bypass, when little is uncached
         // there (the session, if any, is honoured here as for a plain request).
+        // No worker may run it whole (say, SGLang decode workers only): no bypass, both legs.
         let whole_req = leg_request(req, Leg::Whole, ids.1);
-        let whole = self.compute_selection(&whole_req, now, rng, Leg::Whole)?;
-        let bypass = |reason| DisaggSelection {
-            prefill: None,
-            decode: whole.clone(),
-            bypass: Some(reason),
+        let whole = match self.compute_selection(&whole_req, now, rng, Leg::Whole) {
+            Ok(w) => Ok(w),
+            Err(e @ (Error::NoEndpointsAvailable | Error::AllWorkersBusy)) => Err(e),
+            Err(e) => return Err(e),
         };
-        let uncached = whole.isl_tokens.saturating_sub(whole.overlap.gpu);
-        if uncached <= self.config.pd_bypass_tokens {
-            return Ok(bypass(PdBypass::SmallUncached));
+        let bypass = |reason| {
+            whole.clone().map(|decode| DisaggSelection {
+                prefill: None,
+                decode,
+                bypass: Some(reason),
+            })
+        };
+        if let Ok(w) = &whole
+            && w.isl_tokens.saturating_sub(w.overlap.gpu) <= self.config.pd_bypass_tokens
+        {
+            return bypass(PdBypass::SmallUncached);
         }
         let prefill_req = leg_request(req, Leg::Prefill, ids.0);
         let prefill = match self.compute_selection(&prefill_req, now, rng, Leg::Prefill) {
             Ok(p) => p,
-            Err(Error::AllWorkersBusy) => return Ok(bypass(PdBypass::PrefillSaturated)),
-            Err(Error::NoEndpointsAvailable) => return Ok(bypass(PdBypass::NoPrefillWorkers)),
+            Err(Error::AllWorkersBusy) => return bypass(PdBypass::PrefillSaturated),
+            Err(Error::NoEndpointsAvailable) => return bypass(PdBypass::NoPrefillWorkers),
             Err(e) => return Err(e),
         };
         let decode_req = leg_request(req, Leg::Decode, ids.1);

@@ -80,14 +80,20 @@ impl Selector {
     }
 
     /// The workers a request may go to for `leg` (prefill workers take prefill legs only, the
-    /// others whole requests and decode legs): its pinned worker, else its allowed ones, less
-    /// those its required taints exclude.
+    /// others decode legs and whole requests, decode workers the latter unless the request says
+    /// they cannot): its pinned worker, else its allowed ones, less those its required taints
+    /// exclude.
     pub(super) fn eligible<'w>(
         req: &SelectRequest<'_>,
         mut workers: Vec<&'w WorkerRecord>,
         leg: Leg,
     ) -> Result<Vec<&'w WorkerRecord>, Error> {
-        workers.retain(|r| (r.spec.role == WorkerRole::Prefill) == (leg == Leg::Prefill));
+        workers.retain(|r| match (leg, r.spec.role) {
+            (Leg::Prefill, role) => role == WorkerRole::Prefill,
+            (_, WorkerRole::Prefill) => false,
+            (Leg::Whole, WorkerRole::Decode) => req.decode_runs_whole,
+            (Leg::Whole | Leg::Decode, WorkerRole::Both | WorkerRole::Decode) => true,
+        });
         let mut eligible: Vec<&WorkerRecord> = match (req.pinned_worker, req.allowed_worker_ids) {
             (Some(pin), _) => workers
                 .into_iter()

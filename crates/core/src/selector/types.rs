@@ -251,6 +251,10 @@ pub struct SelectRequest<'a> {
     pub session_id: Option<&'a str>,
     /// A worker (and rank) preferred over any load, unless `pinned_worker` names another.
     pub affinity_target: Option<PinnedWorker>,
+    /// Whether a `decode` worker may run a request whole (a plain select, or a disaggregated
+    /// one's bypass): vLLM's decode engines can, SGLang's cannot (they need a prefill peer), so
+    /// with `false` only `both` workers do (SPEC §6.1).
+    pub decode_runs_whole: bool,
 }
 
 impl<'a> SelectRequest<'a> {
@@ -268,6 +272,7 @@ impl<'a> SelectRequest<'a> {
             advisory: false,
             session_id: None,
             affinity_target: None,
+            decode_runs_whole: true,
         }
     }
 }

@@ -43,6 +43,9 @@ pub struct Faults {
     /// Between tokens.
     pub token_delay: Mutex<Duration>,
     pub unhealthy: AtomicBool,
+    /// Fields added to a whole (not streamed) answer, as a vLLM prefill engine adds
+    /// `kv_transfer_params`.
+    pub answer_extra: Mutex<Option<Value>>,
 }
 
 /// One request the upstream received.
@@ -50,6 +53,7 @@ pub struct Faults {
 pub struct Received {
     pub path: String,
     pub authorization: Option<String>,
+    pub request_id: Option<String>,
     pub body: Value,
 }
 
@@ -138,6 +142,10 @@ fn record(state: &UpstreamState, path: &str, headers: &HeaderMap, body: &Value) 
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .map(str::to_string),
+        request_id: headers
+            .get("x-request-id")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string),
         body: body.clone(),
     });
 }
@@ -180,12 +188,15 @@ async fn completion(
         } else {
             json!({"index": 0, "text": text, "finish_reason": "length"})
         };
-        return axum::Json(json!({
+        let mut answer = json!({
             "id": "cmpl-1", "object": if chat { "chat.completion" } else { "text_completion" },
             "choices": [choice],
             "usage": {"prompt_tokens": 3, "completion_tokens": tokens, "total_tokens": tokens + 3},
-        }))
-        .into_response();
+        });
+        if let Some(Value::Object(extra)) = state.faults.answer_extra.lock().clone() {
+            answer.as_object_mut().unwrap().extend(extra);
+        }
+        return axum::Json(answer).into_response();
     }
     let (tx, rx) = mpsc::channel(4);
     let open = Arc::clone(&state);

@@ -4,14 +4,19 @@
 //!   response ends (the end, the client leaving, the engine dying, a timeout) frees it.
 //! - [`failures`]: retries to the next worker, circuit breakers, 503 and 429 answers.
 //! - [`front`]: chat templates, remote tokenization, the workers file, API keys, `/v1/models`.
+//! - [`degraded`]: routing gone blind (tokens, blocks, silent events) reported and cleared.
 //! - [`engine`]: the whole path against the mock OpenAI engine, its KV events included.
+//! - [`pd`]: disaggregated prefill and decode, both protocols, against mock P/D engines and
+//!   recording upstreams.
 //! - [`common`]: the gateway in process, a small vLLM-shaped upstream, the client.
 
 // Test helpers outside #[test] functions may unwrap: a failure there is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
+mod degraded;
 mod engine;
 mod failures;
 mod front;
 mod lifecycle;
+mod pd;

@@ -67,7 +67,10 @@ fn select_and_reserve(
     );
     match booked {
         Ok((selection, reservation)) => {
-            state.changed(Change::Booked(&reservation.reservation_id));
+            state.changed(Change::Booked {
+                reservation_id: &reservation.reservation_id,
+                worker_id: reservation.worker_id,
+            });
             state.metrics.observe_selection(&selection);
             Ok(Booked {
                 selection,

@@ -56,6 +56,7 @@ impl ResolvedSelect {
             advisory,
             session_id: body.session(),
             affinity_target: body.affinity(),
+            decode_runs_whole: body.decode_runs_whole.unwrap_or(true),
         }
     }
 }

@@ -121,6 +121,21 @@ impl Service {
         super::potential_loads(&self.state, body)
     }
 
+    /// The degraded workers' reasons, as `GET /loads` shows them.
+    pub fn degraded(&self) -> std::collections::BTreeMap<u64, Vec<crate::degraded::Degraded>> {
+        super::degraded(&self.state)
+    }
+
+    /// Raises (`Some(message)`) or clears (`None`) a reason a worker's routing is degraded.
+    pub fn report_degraded(
+        &self,
+        worker_id: u64,
+        reason: crate::degraded::Reason,
+        message: Option<String>,
+    ) {
+        super::report_degraded(&self.state, worker_id, reason, message);
+    }
+
     pub fn loads(
         &self,
         model_name: Option<&str>,

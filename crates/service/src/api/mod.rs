@@ -146,7 +146,10 @@ pub fn create_reservation(
     // A replay onto a rank with KV events books under the read lock; anything else takes the
     // write lock (LifecycleCalls).
     let reservation = state.selector.create_reservation(&req, state.now())?;
-    state.changed(Change::Booked(&reservation.reservation_id));
+    state.changed(Change::Booked {
+        reservation_id: &reservation.reservation_id,
+        worker_id: reservation.worker_id,
+    });
     Ok(reservation)
 }
 
@@ -250,6 +253,24 @@ pub fn loads(
         }
     }
     loads
+}
+
+/// The degraded workers' reasons (`crate::degraded`), shown on their ranks in `GET /loads`.
+pub fn degraded(
+    state: &AppState,
+) -> std::collections::BTreeMap<u64, Vec<crate::degraded::Degraded>> {
+    state.metrics.degraded.snapshot()
+}
+
+/// Raises (`Some(message)`) or clears (`None`) a degradation found outside the service (the
+/// gateway's comparisons of its counts with the engines' answers).
+pub fn report_degraded(
+    state: &AppState,
+    worker_id: u64,
+    reason: crate::degraded::Reason,
+    message: Option<String>,
+) {
+    state.metrics.degraded.set(worker_id, reason, message);
 }
 
 /// `GET /dump`: the index as a snapshot taken under the read lock (the edges render it, after

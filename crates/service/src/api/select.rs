@@ -141,7 +141,10 @@ pub fn select_and_reserve_disaggregated(
     match booked {
         Ok((selection, reservations)) => {
             for r in reservations.prefill.iter().chain([&reservations.decode]) {
-                state.changed(Change::Booked(&r.reservation_id));
+                state.changed(Change::Booked {
+                    reservation_id: &r.reservation_id,
+                    worker_id: r.worker_id,
+                });
             }
             observe_legs(state, &selection);
             Ok(DisaggSelected {

@@ -219,11 +219,8 @@ pub async fn potential_loads(
 }
 
 pub async fn loads(State(state): Shared, Query(q): Query<PartitionQuery>) -> AppResult {
-    ok(render::loads(&api::loads(
-        &state,
-        q.model_name.as_deref(),
-        q.routing_group.as_deref(),
-    )))
+    let loads = api::loads(&state, q.model_name.as_deref(), q.routing_group.as_deref());
+    ok(render::loads_with_degraded(&loads, &api::degraded(&state)))
 }
 
 pub async fn dump(State(state): Shared) -> AppResult {

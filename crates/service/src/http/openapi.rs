@@ -169,7 +169,12 @@ fn response_schemas() -> Value {
         "RankLoad": object(json!({
             "worker_id": int, "dp_rank": int, "potential_prefill_tokens": int,
             "potential_decode_blocks": int, "active_requests": int,
-            "cache_model": {"allOf": [schema("CacheModel")], "description": "/loads only"}
+            "cache_model": {"allOf": [schema("CacheModel")], "description": "/loads only"},
+            "degraded": {
+                "type": "array",
+                "description": "/loads only, and only while the worker's routing is degraded: each reason (no_kv_events, block_size_mismatch, tokenizer_mismatch, cache_mismatch) with a sentence naming what to fix",
+                "items": object(json!({"reason": string, "message": string}))
+            }
         })),
         "CacheModel": cache_model,
         "PartitionLoads": object(json!({
@@ -242,6 +247,7 @@ pub fn document() -> Value {
         s.insert("priority_jump".into(), json!({"type": "number", "nullable": true, "description": "With --queue-threshold: seconds to move ahead in the admission queue (below 0 counts as 0). The request's tenant is its x-tenant-id header."}));
         s.insert("strict_priority".into(), json!({"type": "integer", "minimum": 0, "maximum": 4294967295u64, "nullable": true, "description": "With --queue-threshold: higher goes first in the admission queue, before any other order"}));
         s.insert("disaggregated".into(), json!({"type": "boolean", "default": false, "description": "kvroute's: pick a prefill worker (role prefill) and a decode worker (role decode or both), or one worker for the whole request when little is uncached on it (--pd-bypass-tokens) or no prefill worker is free; answers Disaggregated; never queued; not with pinned_worker (SPEC §6.1)"}));
+        s.insert("decode_runs_whole".into(), json!({"type": "boolean", "default": true, "description": "kvroute's: whether a decode worker may run the request whole (a plain select, a bypass); false for SGLang decode engines, which need a prefill peer (SPEC §6.1)"}));
         s.insert("queue_timeout_ms".into(), json!({"type": "integer", "minimum": 1, "maximum": 86400000, "nullable": true, "description": "With --queue-threshold: the longest this request waits in the admission queue (default --queue-timeout-ms); 429 beyond"}));
     }
     if let Some(r) = reservation.as_object_mut() {

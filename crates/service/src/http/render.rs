@@ -3,6 +3,7 @@
 //! these too, so a dict and an HTTP body cannot differ.
 
 use crate::api::{Booked, DisaggSelected};
+use crate::degraded::Degraded;
 use crate::types::{signed, worker_json};
 use kvroute_core::event::{KvEvent, Rank, Tier};
 use kvroute_core::selector::{
@@ -147,6 +148,10 @@ struct RankLoadJson {
     /// How the rank's cache is known (kvroute addition, `/loads` only).
     #[serde(skip_serializing_if = "Option::is_none")]
     cache_model: Option<Value>,
+    /// Why the worker's routing is degraded, and what to fix (kvroute addition, `/loads` only,
+    /// only while there is a reason: `crate::degraded`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    degraded: Option<Vec<Value>>,
 }
 
 /// `{"policy": "events" | "ttl" | "lru", ...}` with the model's block counts.
@@ -176,11 +181,31 @@ impl From<&RankLoadReport> for RankLoadJson {
             potential_decode_blocks: r.potential_decode_blocks,
             active_requests: r.active_requests,
             cache_model: r.cache_model.as_ref().map(cache_model_json),
+            degraded: None,
         }
     }
 }
 
 pub fn loads(loads: &[PartitionLoads]) -> Value {
+    loads_with_degraded(loads, &BTreeMap::new())
+}
+
+/// `GET /loads` with each degraded worker's reasons on its ranks:
+/// `"degraded": [{"reason": "no_kv_events", "message": "worker 3: …"}]`, left out when none.
+pub fn loads_with_degraded(
+    loads: &[PartitionLoads],
+    degraded: &BTreeMap<u64, Vec<Degraded>>,
+) -> Value {
+    let rank = |r: &RankLoadReport| {
+        let mut json = RankLoadJson::from(r);
+        json.degraded = degraded.get(&r.worker_id).map(|reasons| {
+            reasons
+                .iter()
+                .map(|d| json!({"reason": d.reason.as_str(), "message": d.message}))
+                .collect()
+        });
+        json
+    };
     Value::Array(
         loads
             .iter()
@@ -188,7 +213,7 @@ pub fn loads(loads: &[PartitionLoads]) -> Value {
                 json!({
                     "model_name": p.partition.model_name,
                     "routing_group": p.partition.routing_group,
-                    "loads": p.loads.iter().map(RankLoadJson::from).collect::<Vec<_>>(),
+                    "loads": p.loads.iter().map(rank).collect::<Vec<_>>(),
                     "pending_count": p.pending_count,
                     "pending_isl_tokens": p.pending_isl_tokens,
                 })

@@ -9,7 +9,9 @@ use bytes::Bytes;
 use futures::StreamExt;
 use kvroute_core::event::KvEvent;
 use kvroute_wire::frames::{self, ReplayReply};
-use kvroute_wire::{DropReason, EventBatch, RawEvent, WireError, convert_event, decode_batch};
+use kvroute_wire::{
+    DropReason, EventBatch, RawEvent, WireError, convert_event, decode_batch, feeds_index,
+};
 use std::collections::{BTreeSet, VecDeque};
 use std::ops::Range;
 use std::sync::Arc;
@@ -579,6 +581,19 @@ impl Listener {
 
     /// Converts a batch's events and hands them to the sink under the batch's rank.
     fn apply(&mut self, batch: &EventBatch) {
+        // For `crate::degraded`: the worker's events arrive, with blocks of this size (which
+        // must be its registered one, or no prompt hashed at that size can match them).
+        let degraded = &self.metrics.degraded;
+        degraded.events_arrived(self.spec.worker_id);
+        let stored_size = batch.events.iter().find_map(|raw| match raw {
+            RawEvent::Stored(s) if feeds_index(s.kv_cache_spec_kind.as_deref(), s.group_idx) => {
+                Some(s.block_size)
+            }
+            _ => None,
+        });
+        if let Some(size) = stored_size {
+            degraded.block_size_seen(self.spec.worker_id, size, &self.spec.endpoint);
+        }
         let mut events = Vec::with_capacity(batch.events.len());
         for raw in &batch.events {
             match convert_event(raw) {

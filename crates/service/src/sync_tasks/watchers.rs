@@ -47,6 +47,7 @@ fn apply_catalog_entry(ctx: &Ctx, entry: &kv::Entry) {
     if entry.operation != kv::Operation::Put {
         let deleted = ctx.state.selector.write().delete_worker(worker_id).is_ok();
         ctx.state.ingest.remove_worker(worker_id);
+        ctx.state.metrics.degraded.worker_deleted(worker_id);
         if deleted {
             metrics.applied("catalog_delete");
         }
@@ -78,6 +79,12 @@ fn apply_catalog_entry(ctx: &Ctx, entry: &kv::Entry) {
             metrics.observe_lag("catalog", codec::lag_secs(origin.ts_us));
             let consumes_events =
                 !ctx.shared.config.nats_relay_events || origin.replica == ctx.replica();
+            // Its events reach this replica either way (from its listeners or the relay), so
+            // its silence is watched either way.
+            ctx.state
+                .metrics
+                .degraded
+                .worker_registered(&outcome.record, !ctx.state.config.no_kv_events);
             if consumes_events {
                 ctx.state
                     .sync_listeners(&outcome.record, outcome.events_changed);
@@ -341,6 +348,7 @@ fn apply_events_message(ctx: &Ctx, payload: &[u8], history: bool) {
             .apply_events(message.worker_id, message.dp_rank, &events);
     match outcome {
         Some(outcome) => {
+            ctx.state.metrics.degraded.events_arrived(message.worker_id);
             ctx.state.metrics.count_events(&outcome);
             metrics.applied("events");
             metrics.observe_lag("events", codec::lag_secs(message.origin.ts_us));

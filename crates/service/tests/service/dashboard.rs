@@ -1,6 +1,7 @@
 //! The status page (`GET /dashboard`) in a real browser: headless Chromium loads it from a live
 //! service on 127.0.0.1, with an API key, workers in two partitions (dp ranks, a fake engine's
-//! KV events, predicted caches) and bookings, and the rendered DOM is held to `GET /loads`.
+//! KV events, predicted caches) and bookings, and the rendered DOM is held to `GET /loads`; and
+//! workers whose routing is degraded are named in its banner with the fix, until fixed.
 //!
 //! Chromium is found at `$KVROUTE_CHROMIUM`, else `chromium` on `PATH`, else
 //! `/usr/bin/chromium`; without it the test fails (`.ci/run` installs the Debian package).
@@ -565,4 +566,135 @@ async fn the_dashboard_shows_the_admission_queue() {
     for task in waiting {
         assert_eq!(task.await.unwrap().status, StatusCode::SERVICE_UNAVAILABLE);
     }
+}
+
+/// The `<li class="degraded-item">` entries of the banner: worker, reason and text.
+fn banner(dom: &str) -> Vec<(u64, String, String)> {
+    dom.split("<li class=\"degraded-item\"")
+        .skip(1)
+        .map(|item| {
+            let tag = &item[..item.find('>').unwrap()];
+            let body = &item[item.find('>').unwrap() + 1..item.find("</li>").unwrap()];
+            let text = body.replace("<code>", "").replace("</code>", "");
+            (
+                attr(tag, "data-worker-id").unwrap().parse().unwrap(),
+                attr(tag, "data-reason").unwrap().to_string(),
+                text,
+            )
+        })
+        .collect()
+}
+
+/// Routing gone blind shows as a banner naming the worker and the fix, and goes once fixed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_names_degraded_workers_and_the_fix() {
+    let chromium = chromium();
+    let mut config = ServeConfig::parse_from([
+        "kvroute",
+        "--kv-silence-secs",
+        "30",
+        "--kv-silence-bookings",
+        "3",
+    ])
+    .expect("flags");
+    config.api_key = Some(KEY.into());
+    let app = TestApp::with_config(config);
+    let (port, stop) = serve(&app.state).await;
+    // Worker 5: an engine of 32-token blocks behind a worker registered with 16.
+    let mut engine = FakeEngine::bind("tcp://127.0.0.1:0", None, Encoding::Array)
+        .await
+        .unwrap();
+    let w5 = json!({"worker_id": 5, "endpoint": "http://127.0.0.1:9005", "block_size": BLOCK,
+                    "kv_events_endpoint": engine.pub_endpoint()});
+    call(&app, Method::POST, "/workers", Some(w5)).await;
+    // Worker 6: its events address has nothing behind it.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let wrong = format!("tcp://{}", silent.local_addr().unwrap());
+    drop(silent);
+    let w6 = json!({"worker_id": 6, "endpoint": "http://127.0.0.1:9006", "block_size": BLOCK,
+                    "kv_events_endpoint": wrong});
+    call(&app, Method::POST, "/workers", Some(w6)).await;
+    for i in 0..4u32 {
+        let body = json!({"token_ids": prompt(60 + i, 64), "pinned_worker": {"worker_id": 6}});
+        call(&app, Method::POST, "/select_and_reserve", Some(body)).await;
+    }
+    app.state.advance_clock(Duration::from_secs(31));
+    app.state.tick(app.state.now());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        engine
+            .publish_stored(None, &prompt(70, 64), 2 * BLOCK, None)
+            .await
+            .unwrap();
+        let loads = call(&app, Method::GET, "/loads", None).await;
+        let flagged = loads[0]["loads"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|l| l["degraded"].is_array())
+            .count();
+        if flagged == 2 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "not both degraded: {loads}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let url = format!("http://kvroute:{KEY}@127.0.0.1:{port}/dashboard");
+    let render = |url: String| {
+        tokio::task::spawn_blocking(move || {
+            run_chromium(
+                &url,
+                &["--virtual-time-budget=4000".into(), "--dump-dom".into()],
+            )
+        })
+    };
+    let dom = render(url.clone()).await.unwrap();
+    assert!(dom.contains("data-state=\"ready\""), "{chromium:?}:\n{dom}");
+    assert!(
+        dom.contains("<section id=\"degraded\" role=\"alert\" class=\"shown\">"),
+        "{dom}"
+    );
+    let items = banner(&dom);
+    assert_eq!(items.len(), 2, "{items:?}");
+    assert_eq!(
+        (items[0].0, items[0].1.as_str()),
+        (5, "block_size_mismatch")
+    );
+    assert!(
+        items[0].2.contains("worker 5: its KV events")
+            && items[0].2.contains("register it with block_size 32"),
+        "{items:?}"
+    );
+    assert_eq!((items[1].0, items[1].1.as_str()), (6, "no_kv_events"));
+    assert!(
+        items[1]
+            .2
+            .contains("worker 6: 4 bookings in 31 s and no KV event")
+            && items[1].2.contains(&wrong),
+        "{items:?}"
+    );
+
+    // Fixed: worker 5's engine uses 16-token blocks, worker 6 is deleted.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        engine
+            .publish_stored(None, &prompt(71, 64), BLOCK, None)
+            .await
+            .unwrap();
+        let loads = call(&app, Method::GET, "/loads", None).await;
+        if loads[0]["loads"][0]["degraded"].is_null() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never cleared: {loads}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    call(&app, Method::DELETE, "/workers/6", None).await;
+    let dom = render(url).await.unwrap();
+    assert!(dom.contains("data-state=\"ready\""), "{dom}");
+    assert!(banner(&dom).is_empty(), "{dom}");
+    assert!(
+        !dom.contains("<section id=\"degraded\" role=\"alert\" class=\"shown\">"),
+        "the banner is hidden: {dom}"
+    );
+    let _ = stop.send(());
 }

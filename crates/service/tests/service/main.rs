@@ -2,6 +2,7 @@
 //!
 //! - [`connections`]: slow and idle clients: the connection limits and timeouts.
 //! - [`dashboard`]: the status page in headless Chromium against a live service.
+//! - [`degraded`]: routing gone blind (silent KV events, another block size) reported and cleared.
 //! - [`dynamo_compat`]: the exchanges recorded from Dynamo's selection service, replayed.
 //! - [`dynamo_queue`]: Dynamo's admission queue recorded (`queue.json`), replayed with its sends.
 //! - [`engine_load`]: engines' `/metrics` polled: heavy load, garbage, silence, staleness.
@@ -20,6 +21,7 @@
 mod common;
 mod connections;
 mod dashboard;
+mod degraded;
 mod disagg;
 mod dynamo_compat;
 mod dynamo_queue;

@@ -417,6 +417,68 @@ async fn publish_until_indexed(
     }
 }
 
+/// With the relay, a replica that does not listen to a worker's engine is fed by the stream:
+/// those events count as arriving there, so it does not call the worker silent; a worker whose
+/// engine publishes nothing is called silent (`no_kv_events`) where it is booked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relayed_events_keep_a_worker_from_being_called_silent() {
+    use kvroute_service::degraded::Reason;
+    let nats = Nats::start();
+    let flags = [
+        "--nats-relay-events",
+        "--kv-silence-secs",
+        "30",
+        "--kv-silence-bookings",
+        "3",
+    ];
+    let a = replica(&nats, "a", &flags).await;
+    let b = replica(&nats, "b", &flags).await;
+    let mut engine = FakeEngine::bind("tcp://127.0.0.1:0", None, Encoding::Array)
+        .await
+        .unwrap();
+    let mut with_events = worker(1);
+    with_events["kv_events_endpoint"] = json!(engine.pub_endpoint());
+    assert_eq!(a.app.post("/workers", with_events).await.status, 201);
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut silent_worker = worker(3);
+    silent_worker["kv_events_endpoint"] = json!(format!("tcp://{}", silent.local_addr().unwrap()));
+    drop(silent);
+    assert_eq!(a.app.post("/workers", silent_worker).await.status, 201);
+    eventually("catalog", || workers(b.state()) == vec![1, 3]).await;
+    publish_until_indexed(
+        &mut engine,
+        a.state(),
+        &tokens(9_000, 4),
+        "never subscribed",
+    )
+    .await;
+    for i in 0..4u32 {
+        book(&b, &format!("r{i}"), 1, &tokens(100 * i, 16)).await;
+        book(&b, &format!("s{i}"), 3, &tokens(100 * i, 16)).await;
+    }
+    // The engine's next event reaches B through the relay only.
+    let prompt = tokens(5_000, 16);
+    engine
+        .publish_stored(None, &prompt, BLOCK, None)
+        .await
+        .unwrap();
+    eventually("B's index via the relay", || {
+        device_blocks(b.state(), 1, &prompt) == 4
+    })
+    .await;
+    b.state().advance_clock(Duration::from_secs(31));
+    b.state().tick(b.state().now());
+    let degraded = kvroute_service::api::degraded(b.state());
+    assert!(!degraded.contains_key(&1), "{degraded:?}");
+    assert_eq!(degraded[&3].len(), 1, "{degraded:?}");
+    assert_eq!(degraded[&3][0].reason, Reason::NoKvEvents);
+    assert!(
+        degraded[&3][0]
+            .message
+            .starts_with("worker 3: 4 bookings in 31 s and no KV event")
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_replica_recovers_its_bookings_and_the_index() {
     let nats = Nats::start();

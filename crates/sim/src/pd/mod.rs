@@ -318,13 +318,12 @@ pub fn run_pd(
                     Some(p) => (&fleet.engines[..n], p),
                     None => (&fleet.engines[n..], route.decode),
                 };
-                let prompt = &request.prompt.sequence;
-                outcome.chosen_overlap_tokens = resident_tokens(&pool[chosen], prompt, block_size);
-                outcome.best_overlap_tokens = pool
-                    .iter()
-                    .map(|e| resident_tokens(e, prompt, block_size))
-                    .max()
-                    .unwrap_or(0);
+                let resident = |e: &Engine| {
+                    e.pool().cached_prefix_blocks(&request.prompt.sequence) as u64
+                        * u64::from(block_size)
+                };
+                outcome.chosen_overlap_tokens = pool.get(chosen).map_or(0, resident);
+                outcome.best_overlap_tokens = pool.iter().map(resident).max().unwrap_or(0);
                 match route.prefill {
                     Some(p) => {
                         outcome.prefill_engine = Some(p as u32);
@@ -435,11 +434,6 @@ pub fn run_pd(
         bookings_left: router.bookings_left(),
         selector_overlap: router.selector_overlap(),
     })
-}
-
-/// Tokens of the prompt's leading blocks resident on `engine`.
-fn resident_tokens(engine: &Engine, sequence: &[u64], block_size: u32) -> u64 {
-    engine.pool().cached_prefix_blocks(sequence) as u64 * u64::from(block_size)
 }
 
 /// The engines and the event queue of a run.

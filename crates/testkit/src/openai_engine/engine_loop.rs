@@ -28,6 +28,13 @@ use tokio::sync::{Mutex, mpsc, watch};
 /// The PUB socket, shared so a test can wait for subscribers; `None` once the loop has ended.
 pub(crate) type Publisher = Arc<Mutex<Option<FakeEngine>>>;
 
+/// What the routes ask of the loop.
+pub(crate) enum Command {
+    Submit(Submission),
+    /// Releases blocks held for a transfer (pulled, or their hold timed out).
+    Release(Vec<u64>),
+}
+
 /// A request for the loop.
 pub(crate) struct Submission {
     /// Its hashes cover the prompt and the output (`isl_tokens` is the prompt's length).
@@ -35,19 +42,32 @@ pub(crate) struct Submission {
     /// The prompt's tokens followed by the output's.
     pub tokens: Arc<[u32]>,
     pub progress: mpsc::UnboundedSender<Progress>,
+    /// A prefill leg: hold this many leading prompt blocks when it finishes (`Progress::Held`
+    /// says how many were).
+    pub hold_blocks: Option<usize>,
+    /// A decode leg: this many leading prompt blocks were received; cache them first.
+    pub import_blocks: usize,
 }
 
 /// What the loop tells a request, in this order: `Admitted`, one `Token` per output token,
-/// `Finished`. A closed channel without `Finished` means the engine stopped.
+/// (`Held` for a prefill leg), `Finished`. A closed channel without `Finished` means the engine
+/// stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Progress {
-    Admitted { cached_tokens: u64 },
+    Admitted {
+        cached_tokens: u64,
+    },
     Token,
+    /// The leading `blocks` prompt blocks are held until released.
+    Held {
+        blocks: usize,
+    },
     Finished,
 }
 
 struct Live {
     progress: mpsc::UnboundedSender<Progress>,
+    hold_blocks: Option<usize>,
 }
 
 /// Where the tokens of a block of a request in flight are; counted per request holding it.
@@ -90,20 +110,20 @@ impl EngineLoop {
     /// Runs until `killed` turns true (or its sender is gone).
     pub(crate) async fn run(
         mut self,
-        mut submissions: mpsc::UnboundedReceiver<Submission>,
+        mut submissions: mpsc::UnboundedReceiver<Command>,
         mut killed: watch::Receiver<bool>,
     ) {
         loop {
-            while let Ok(submission) = submissions.try_recv() {
-                self.submit(submission);
+            while let Ok(command) = submissions.try_recv() {
+                self.command(command);
             }
             self.abort_abandoned();
             self.publish_load();
             if !self.engine.has_work() {
                 tokio::select! {
-                    submission = submissions.recv() => match submission {
-                        Some(submission) => {
-                            self.submit(submission);
+                    command = submissions.recv() => match command {
+                        Some(command) => {
+                            self.command(command);
                             continue;
                         }
                         None => break,
@@ -164,11 +184,20 @@ impl EngineLoop {
         );
     }
 
+    fn command(&mut self, command: Command) {
+        match command {
+            Command::Submit(submission) => self.submit(submission),
+            Command::Release(held) => self.engine.release_held(&held),
+        }
+    }
+
     fn submit(&mut self, submission: Submission) {
         let Submission {
             request,
             tokens,
             progress,
+            hold_blocks,
+            import_blocks,
         } = submission;
         if !self.engine.config().fits(&request) {
             return; // the handler checked; dropping the channel answers an error
@@ -187,9 +216,19 @@ impl EngineLoop {
                 }
             }
         }
+        if import_blocks > 0 {
+            // Under pressure fewer fit; the request then computes the rest itself.
+            self.engine.import_prefix(&request, import_blocks);
+        }
         self.engine.submit(id, &request);
         self.requests.insert(id, request);
-        self.live.insert(id, Live { progress });
+        self.live.insert(
+            id,
+            Live {
+                progress,
+                hold_blocks,
+            },
+        );
     }
 
     /// Forgets a request that finished or was aborted.
@@ -251,6 +290,7 @@ impl EngineLoop {
             send(&self.live, id, Progress::Token);
         }
         for &id in &report.finished {
+            self.hold(id);
             send(&self.live, id, Progress::Finished);
         }
         for &id in &report.finished {
@@ -260,6 +300,23 @@ impl EngineLoop {
             if self.live.contains_key(&id) {
                 self.abort(id);
             }
+        }
+    }
+
+    /// Holds a finished prefill leg's prompt blocks and says how many (released at once if
+    /// nobody is there to hear it).
+    fn hold(&mut self, id: RequestId) {
+        let (Some(live), Some(request)) = (self.live.get(&id), self.requests.get(&id)) else {
+            return;
+        };
+        let Some(wanted) = live.hold_blocks else {
+            return;
+        };
+        let wanted = wanted.min(request.prompt.sequence.len());
+        let prefix = &request.prompt.sequence[..wanted];
+        let blocks = self.engine.hold_prefix(prefix);
+        if live.progress.send(Progress::Held { blocks }).is_err() {
+            self.engine.release_held(&prefix[..blocks]);
         }
     }
 

@@ -8,7 +8,8 @@
 //! If the engine stops first, an error chunk precedes `[DONE]`; if the client goes away, the
 //! engine aborts the request at its next step.
 
-use super::engine_loop::{Progress, Submission};
+use super::disagg::{self, Leg, TransferKey};
+use super::engine_loop::{Command, Progress, Submission};
 use super::http::{check_model, read_body};
 use super::protocol::{
     ApiError, ChatChoice, ChatChunkChoice, ChatMessageOut, ChatRequest, CompletionRequest, Delta,
@@ -44,6 +45,8 @@ struct Job {
     max_tokens: u32,
     stream: bool,
     include_usage: bool,
+    /// Its part in a disaggregated request, if any.
+    leg: Leg,
 }
 
 pub(crate) async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Response {
@@ -54,7 +57,8 @@ pub(crate) async fn completions(State(state): State<Arc<AppState>>, body: Body) 
         check_model(&state, request.model.as_deref())?;
         check_n(request.n)?;
         let (stream, include_usage) = streaming(request.stream, request.stream_options.as_ref())?;
-        let max_tokens = max_tokens(request.max_tokens, state.default_max_tokens)?;
+        let leg = disagg::leg(&state, &request.pd)?;
+        let max_tokens = max_tokens(request.max_tokens, state.default_max_tokens, &leg)?;
         let prompt = match PromptIn::from_value(request.prompt)? {
             PromptIn::Tokens(ids) => ids,
             PromptIn::Text(text) => state
@@ -70,6 +74,7 @@ pub(crate) async fn completions(State(state): State<Arc<AppState>>, body: Body) 
             max_tokens,
             stream,
             include_usage,
+            leg,
         })
     }
     .await;
@@ -87,9 +92,11 @@ pub(crate) async fn chat_completions(State(state): State<Arc<AppState>>, body: B
         check_model(&state, request.model.as_deref())?;
         check_n(request.n)?;
         let (stream, include_usage) = streaming(request.stream, request.stream_options.as_ref())?;
+        let leg = disagg::leg(&state, &request.pd)?;
         let max_tokens = max_tokens(
             request.max_completion_tokens.or(request.max_tokens),
             state.default_max_tokens,
+            &leg,
         )?;
         let prompt = chat_prompt(
             &state,
@@ -105,6 +112,7 @@ pub(crate) async fn chat_completions(State(state): State<Arc<AppState>>, body: B
             max_tokens,
             stream,
             include_usage,
+            leg,
         })
     }
     .await;
@@ -165,8 +173,12 @@ fn streaming(
     Ok((stream, include_usage))
 }
 
-fn max_tokens(requested: Option<i64>, default: u32) -> Result<u32, ApiError> {
+/// A prefill leg makes one token, whatever the request says (vLLM's and SGLang's prefill
+/// engines stop after the first token).
+fn max_tokens(requested: Option<i64>, default: u32, leg: &Leg) -> Result<u32, ApiError> {
     match requested {
+        Some(n) if n >= 1 && leg.is_prefill() => Ok(1),
+        None if leg.is_prefill() => Ok(1),
         None => Ok(default),
         Some(n) if n < 1 => Err(ApiError::bad_request(format!(
             "max_tokens must be at least 1, got {n}."
@@ -177,7 +189,13 @@ fn max_tokens(requested: Option<i64>, default: u32) -> Result<u32, ApiError> {
 }
 
 /// Checks the job against the engine, hands it over and answers.
-async fn run(state: Arc<AppState>, job: Job, arrived: Instant) -> Response {
+async fn run(state: Arc<AppState>, mut job: Job, arrived: Instant) -> Response {
+    let prefix = state.shared.prompt_prefix_tokens() as usize;
+    if prefix > 0 {
+        // Ids of the engine's own output: valid for any tokenizer.
+        let ids = state.tokenizer.output_ids(prefix);
+        job.prompt.splice(0..0, ids);
+    }
     let prompt_tokens = job.prompt.len();
     if prompt_tokens as u64 + u64::from(job.max_tokens) > u64::from(state.max_model_len) {
         return ApiError::too_long(state.max_model_len, prompt_tokens, job.max_tokens)
@@ -207,13 +225,25 @@ async fn run(state: Arc<AppState>, job: Job, arrived: Instant) -> Response {
     if !delay.is_zero() {
         tokio::time::sleep(delay).await;
     }
+    let full_prompt_blocks = prompt_tokens / state.block_size as usize;
+    let import_blocks = match &job.leg {
+        Leg::Decode(source) => match receive(&state, source, &request.prompt.sequence).await {
+            Ok(blocks) => blocks,
+            Err(error) => return error.into_response(),
+        },
+        _ => 0,
+    };
+    let hold_blocks = job.leg.is_prefill().then_some(full_prompt_blocks);
+    let held_candidates = request.prompt.sequence[..hold_blocks.unwrap_or(0)].to_vec();
     let (progress, news) = mpsc::unbounded_channel();
     let submission = Submission {
         request,
         tokens: tokens.into(),
         progress,
+        hold_blocks,
+        import_blocks,
     };
-    if state.submissions.send(submission).is_err() {
+    if state.submissions.send(Command::Submit(submission)).is_err() {
         return ApiError::internal("the engine has stopped").into_response();
     }
     let answer = Answer {
@@ -225,6 +255,8 @@ async fn run(state: Arc<AppState>, job: Job, arrived: Instant) -> Response {
         cached_tokens: 0,
         first_token: None,
         done: false,
+        held_candidates,
+        kv_transfer_params: None,
         _in_flight: in_flight,
     };
     if answer.job.stream {
@@ -232,6 +264,37 @@ async fn run(state: Arc<AppState>, job: Job, arrived: Instant) -> Response {
     } else {
         answer.collect().await
     }
+}
+
+/// A decode leg's KV: pulled from the prefill engine, checked to be this prompt's, then the
+/// transfer time waited. Returns how many leading prompt blocks were received.
+async fn receive(
+    state: &AppState,
+    source: &disagg::Source,
+    prompt_blocks: &[u64],
+) -> Result<usize, ApiError> {
+    let received = disagg::fetch(state, source).await?;
+    let matching = received
+        .iter()
+        .zip(prompt_blocks)
+        .take_while(|(a, b)| a == b)
+        .count();
+    if matching != received.len() {
+        return Err(ApiError::bad_request(format!(
+            "the KV blocks received are not this prompt's (block {matching} of {} differs): \
+             the prefill and decode legs were sent different prompts",
+            received.len()
+        )));
+    }
+    let transfer = state
+        .pd
+        .config
+        .transfer_time(received.len(), state.block_size)
+        .mul_f64(state.time_scale);
+    if !transfer.is_zero() {
+        tokio::time::sleep(transfer).await;
+    }
+    Ok(received.len())
 }
 
 /// A request handed to the engine, and what it has produced so far.
@@ -244,7 +307,24 @@ struct Answer {
     cached_tokens: u64,
     first_token: Option<Duration>,
     done: bool,
+    /// A prefill leg's full prompt blocks, the first `Progress::Held` of which are held.
+    held_candidates: Vec<u64>,
+    /// A vLLM prefill leg's answer for the decode leg.
+    kv_transfer_params: Option<serde_json::Value>,
     _in_flight: InFlight,
+}
+
+impl Drop for Answer {
+    /// Blocks held for a prefill whose news was never read (its client left) are released.
+    fn drop(&mut self) {
+        self.news.close();
+        while let Ok(news) = self.news.try_recv() {
+            if let Progress::Held { blocks } = news {
+                let held = self.held_candidates[..blocks.min(self.held_candidates.len())].to_vec();
+                let _ = self.state.submissions.send(Command::Release(held));
+            }
+        }
+    }
 }
 
 impl Answer {
@@ -260,7 +340,9 @@ impl Answer {
             ..Usage::new(
                 self.job.prompt.len() as u64,
                 u64::from(self.produced),
-                self.cached_tokens,
+                self.state
+                    .prompt_tokens_details
+                    .then_some(self.cached_tokens),
             )
         }
     }
@@ -280,6 +362,22 @@ impl Answer {
                 self.produced += 1;
                 if self.first_token.is_none() {
                     self.first_token = Some(self.arrived.elapsed());
+                }
+            }
+            Progress::Held { blocks } => {
+                let held = self.held_candidates[..blocks.min(self.held_candidates.len())].to_vec();
+                let key = match self.job.leg {
+                    Leg::PrefillRoom(room) => TransferKey::Room(room),
+                    _ => TransferKey::Request(self.job.id.clone()),
+                };
+                if let Some(block_ids) = disagg::hold(&self.state, key, held)
+                    && self.job.leg == Leg::PrefillVllm
+                {
+                    self.kv_transfer_params = Some(disagg::vllm_answer_params(
+                        &self.state,
+                        &self.job.id,
+                        &block_ids,
+                    ));
                 }
             }
             Progress::Finished => {
@@ -327,6 +425,7 @@ impl Answer {
                     stop_reason: None,
                 }],
                 usage,
+                kv_transfer_params: self.kv_transfer_params.as_ref(),
             }),
             Route::Chat => serde_json::to_vec(&Envelope {
                 id: &self.job.id,
@@ -345,6 +444,7 @@ impl Answer {
                     stop_reason: None,
                 }],
                 usage,
+                kv_transfer_params: self.kv_transfer_params.as_ref(),
             }),
         };
         json_response(body.unwrap_or_default())
@@ -358,7 +458,7 @@ impl Answer {
         loop {
             match self.next().await {
                 Some(Progress::Token) => return Some(self.token_chunk()),
-                Some(Progress::Admitted { .. }) => {}
+                Some(Progress::Admitted { .. } | Progress::Held { .. }) => {}
                 Some(Progress::Finished) => {
                     self.done = true;
                     let mut out = Vec::new();
@@ -403,6 +503,7 @@ impl Answer {
                         stop_reason: None,
                     }],
                     usage: None,
+                    kv_transfer_params: None,
                 },
             ),
             Route::Chat => {
@@ -433,6 +534,7 @@ impl Answer {
                 finish_reason,
             }],
             usage: None,
+            kv_transfer_params: None,
         }
     }
 
@@ -451,6 +553,7 @@ impl Answer {
                 model: self.model(),
                 choices: no_choices,
                 usage: Some(self.usage()),
+                kv_transfer_params: None,
             },
         );
     }

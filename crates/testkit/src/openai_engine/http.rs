@@ -38,6 +38,7 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(health))
         .route("/v1/models", get(models))
         .route("/metrics", get(metrics))
+        .route("/kv_transfer/pull", post(super::disagg::pull_vllm))
         .fallback(not_found)
         .with_state(state)
 }

@@ -18,7 +18,8 @@
 //!
 //! ## What it serves (vLLM's shapes; `protocol.rs` has them)
 //! `POST /v1/completions` and `POST /v1/chat/completions`, streaming (SSE) or not, with
-//! `usage.prompt_tokens_details.cached_tokens`; `POST /tokenize`, `POST /detokenize`,
+//! `usage.prompt_tokens_details.cached_tokens` (`null` with `prompt_tokens_details: false`, as
+//! vLLM without `--enable-prompt-tokens-details`); `POST /tokenize`, `POST /detokenize`,
 //! `GET /health`, `GET /v1/models`, `GET /metrics` (vLLM's running/waiting/KV-usage gauges).
 //! Every answer is `max_tokens` tokens long (default 16).
 //!
@@ -39,12 +40,20 @@
 //! ## Faults and counters, for tests
 //! [`MockEngine::kill`] (every connection dropped at once, new ones refused, the engine and its
 //! PUB socket stopped), [`MockEngine::set_unhealthy`], [`MockEngine::set_first_token_delay`],
+//! [`MockEngine::set_prompt_prefix_tokens`] (a prompt prefix the router does not know),
 //! [`MockEngine::requests_served`], [`MockEngine::in_flight`], [`MockEngine::recent_requests`].
 //!
-//! Files: `engine_loop.rs` (the real-time loop and its KV events), `generate.rs` (the two
+//! ## Disaggregated prefill and decode
+//! With [`PdConfig`] of role `prefill` or `decode`, the engine is one leg of a P/D pair in
+//! vLLM's (`kv_transfer_params`) or SGLang's (bootstrap rooms) protocol: a prefill holds its
+//! prompt's blocks until a decode engine pulls them over HTTP (`disagg.rs` has the protocol).
+//!
+//! Files: `disagg.rs` (P/D legs, held blocks, the pull routes), `engine_loop.rs` (the real-time
+//! loop and its KV events), `generate.rs` (the two
 //! generation routes, streaming), `http.rs` (the other routes, the server and its connections),
 //! `protocol.rs` (the JSON), `tokenizer.rs`.
 
+mod disagg;
 mod engine_loop;
 mod generate;
 mod http;
@@ -66,6 +75,10 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
+pub use disagg::{
+    DEFAULT_BOOTSTRAP_PORT, DEFAULT_FETCH_TIMEOUT, DEFAULT_HOLD_TIMEOUT,
+    DEFAULT_KV_BYTES_PER_TOKEN, DEFAULT_KV_TRANSFER_GBPS, PdConfig, PdProtocol, PdRole,
+};
 pub use tokenizer::MockTokenizer;
 
 /// KV blocks of the default pool: 65,536 blocks of 16 tokens, the simulator's default capacity
@@ -99,6 +112,17 @@ pub struct MockEngineConfig {
     pub max_model_len: u32,
     /// Output tokens of a request without `max_tokens`.
     pub default_max_tokens: u32,
+    /// Tokens the engine puts before every prompt it generates from (not in `/tokenize`'s
+    /// answer), as a chat template or system prompt the router does not know would: its
+    /// `usage.prompt_tokens` and its KV blocks then differ from what a router computes, which
+    /// the router should report (`tokenizer_mismatch`). 0 by default;
+    /// [`MockEngine::set_prompt_prefix_tokens`] changes it while running.
+    pub prompt_prefix_tokens: u32,
+    /// Report `usage.prompt_tokens_details.cached_tokens`, as vLLM does with
+    /// `--enable-prompt-tokens-details` (the default here); `false`: `null`, vLLM's default.
+    pub prompt_tokens_details: bool,
+    /// Disaggregated prefill/decode: the role, the protocol and the transfer's model.
+    pub pd: PdConfig,
 }
 
 impl Default for MockEngineConfig {
@@ -117,6 +141,9 @@ impl Default for MockEngineConfig {
             time_scale: 1.0,
             max_model_len: 32_768,
             default_max_tokens: 16,
+            prompt_prefix_tokens: 0,
+            prompt_tokens_details: true,
+            pd: PdConfig::default(),
         }
     }
 }
@@ -136,6 +163,7 @@ impl MockEngineConfig {
         if self.max_model_len == 0 || self.default_max_tokens == 0 {
             return Err("max_model_len and default_max_tokens must be at least 1".to_string());
         }
+        self.pd.validate()?;
         let engine = EngineConfig {
             block_size: self.block_size,
             ..self.engine
@@ -167,6 +195,7 @@ pub(crate) struct Shared {
     killed: AtomicBool,
     unhealthy: AtomicBool,
     first_token_delay_nanos: AtomicU64,
+    prompt_prefix_tokens: std::sync::atomic::AtomicU32,
     served: AtomicU64,
     in_flight: AtomicUsize,
     event_batches: AtomicU64,
@@ -176,6 +205,8 @@ pub(crate) struct Shared {
     load: EngineLoadGauges,
     /// Makes response ids differ between engines and runs.
     nonce: u64,
+    /// Blocks a prefill engine holds for decode engines.
+    transfers: disagg::Transfers,
 }
 
 impl Shared {
@@ -187,6 +218,7 @@ impl Shared {
             killed: AtomicBool::new(false),
             unhealthy: AtomicBool::new(false),
             first_token_delay_nanos: AtomicU64::new(0),
+            prompt_prefix_tokens: std::sync::atomic::AtomicU32::new(0),
             served: AtomicU64::new(0),
             in_flight: AtomicUsize::new(0),
             event_batches: AtomicU64::new(0),
@@ -194,12 +226,17 @@ impl Shared {
             next_request: AtomicU64::new(0),
             load: EngineLoadGauges::default(),
             nonce,
+            transfers: disagg::Transfers::default(),
         }
     }
 
     fn request_id(&self, prefix: &str) -> String {
         let n = self.next_request.fetch_add(1, Ordering::Relaxed);
         format!("{prefix}-{:016x}{n:016x}", self.nonce)
+    }
+
+    fn prompt_prefix_tokens(&self) -> u32 {
+        self.prompt_prefix_tokens.load(Ordering::Relaxed)
     }
 
     fn first_token_delay(&self) -> Duration {
@@ -286,10 +323,13 @@ pub(crate) struct AppState {
     block_size: u32,
     max_model_len: u32,
     default_max_tokens: u32,
+    prompt_tokens_details: bool,
     engine: EngineConfig,
+    time_scale: f64,
     tokenizer: MockTokenizer,
-    submissions: mpsc::UnboundedSender<engine_loop::Submission>,
+    submissions: mpsc::UnboundedSender<engine_loop::Command>,
     shared: Arc<Shared>,
+    pd: disagg::PdState,
 }
 
 /// A running mock engine. Dropping it kills it; [`shutdown`](Self::shutdown) ends it cleanly.
@@ -307,6 +347,8 @@ pub struct MockEngine {
     open: watch::Sender<()>,
     publisher: Option<Publisher>,
     tasks: Vec<JoinHandle<()>>,
+    engine_id: String,
+    bootstrap_addr: Option<SocketAddr>,
 }
 
 impl MockEngine {
@@ -335,6 +377,23 @@ impl MockEngine {
             }
         };
         let shared = Arc::new(Shared::new());
+        shared
+            .prompt_prefix_tokens
+            .store(config.prompt_prefix_tokens, Ordering::Relaxed);
+        let bootstrap = if config.pd.serves_bootstrap() {
+            Some(TcpListener::bind((addr.ip(), config.pd.bootstrap_port)).await?)
+        } else {
+            None
+        };
+        let bootstrap_addr = match &bootstrap {
+            Some(listener) => Some(listener.local_addr()?),
+            None => None,
+        };
+        let engine_id = config
+            .pd
+            .engine_id
+            .clone()
+            .unwrap_or_else(|| format!("mock-{:016x}-{}", shared.nonce, addr.port()));
         let (graceful, _) = watch::channel(false);
         let (killed, _) = watch::channel(false);
         let (open, open_rx) = watch::channel(());
@@ -350,21 +409,39 @@ impl MockEngine {
             block_size: config.block_size,
             max_model_len: config.max_model_len,
             default_max_tokens: config.default_max_tokens,
+            prompt_tokens_details: config.prompt_tokens_details,
             engine: engine_config,
+            time_scale: config.time_scale,
             tokenizer: tokenizer.clone(),
             submissions,
             shared: Arc::clone(&shared),
+            pd: disagg::PdState {
+                config: config.pd.clone(),
+                engine_id: engine_id.clone(),
+                host: addr.ip().to_string(),
+                port: addr.port(),
+                bootstrap_port: bootstrap_addr.map(|a| a.port()),
+            },
         });
-        let tasks = vec![
-            tokio::spawn(engine_loop.run(submissions_rx, killed.subscribe())),
-            tokio::spawn(http::serve(
-                listener,
-                http::router(state),
+        let mut tasks = vec![tokio::spawn(
+            engine_loop.run(submissions_rx, killed.subscribe()),
+        )];
+        if let Some(bootstrap) = bootstrap {
+            tasks.push(tokio::spawn(http::serve(
+                bootstrap,
+                disagg::bootstrap_router(Arc::clone(&state)),
                 graceful.subscribe(),
                 killed.subscribe(),
-                open_rx,
-            )),
-        ];
+                open_rx.clone(),
+            )));
+        }
+        tasks.push(tokio::spawn(http::serve(
+            listener,
+            http::router(state),
+            graceful.subscribe(),
+            killed.subscribe(),
+            open_rx,
+        )));
         Ok(MockEngine {
             addr,
             events_endpoint,
@@ -376,6 +453,8 @@ impl MockEngine {
             open,
             publisher,
             tasks,
+            engine_id,
+            bootstrap_addr,
         })
     }
 
@@ -401,6 +480,21 @@ impl MockEngine {
 
     pub fn model(&self) -> &str {
         &self.model
+    }
+
+    /// The engine's id in vLLM's `kv_transfer_params` (`remote_engine_id`).
+    pub fn engine_id(&self) -> &str {
+        &self.engine_id
+    }
+
+    /// The SGLang bootstrap server's address (a prefill engine of protocol `sglang`).
+    pub fn bootstrap_addr(&self) -> Option<SocketAddr> {
+        self.bootstrap_addr
+    }
+
+    /// Prefill legs whose blocks are held for a decode engine now.
+    pub fn held_transfers(&self) -> usize {
+        self.shared.transfers.len()
     }
 
     /// The tokenizer the routes use (what `/tokenize` answers with).
@@ -439,6 +533,14 @@ impl MockEngine {
         self.shared
             .first_token_delay_nanos
             .store(nanos, Ordering::Relaxed);
+    }
+
+    /// Puts `tokens` tokens before every new prompt from now on (see
+    /// [`MockEngineConfig::prompt_prefix_tokens`]; 0: none).
+    pub fn set_prompt_prefix_tokens(&self, tokens: u32) {
+        self.shared
+            .prompt_prefix_tokens
+            .store(tokens, Ordering::Relaxed);
     }
 
     /// Requests that got every token.

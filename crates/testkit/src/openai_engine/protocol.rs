@@ -14,6 +14,8 @@ use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+pub(crate) use super::disagg::PdFieldsIn;
+
 /// An error answer: status, OpenAI error type, message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct ApiError {
@@ -151,6 +153,8 @@ pub(crate) struct CompletionRequest {
     pub stream_options: Option<StreamOptions>,
     #[serde(default)]
     pub add_special_tokens: Option<bool>,
+    #[serde(flatten)]
+    pub pd: PdFieldsIn,
 }
 
 /// `POST /v1/chat/completions`.
@@ -173,6 +177,8 @@ pub(crate) struct ChatRequest {
     pub add_generation_prompt: Option<bool>,
     #[serde(default)]
     pub add_special_tokens: Option<bool>,
+    #[serde(flatten)]
+    pub pd: PdFieldsIn,
 }
 
 /// A chat message as sent: `content` a string, a list of parts, or absent.
@@ -296,7 +302,8 @@ pub(crate) struct Usage {
     pub prompt_tokens: u64,
     pub total_tokens: u64,
     pub completion_tokens: u64,
-    pub prompt_tokens_details: PromptTokensDetails,
+    /// `null` unless the engine reports it (vLLM: `--enable-prompt-tokens-details`).
+    pub prompt_tokens_details: Option<PromptTokensDetails>,
     /// The mock's own time to first token, from its handler's start (not vLLM's: a benchmark
     /// subtracts it from the client's to see what sits between them; OpenAI clients ignore it).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -304,12 +311,14 @@ pub(crate) struct Usage {
 }
 
 impl Usage {
-    pub fn new(prompt_tokens: u64, completion_tokens: u64, cached_tokens: u64) -> Self {
+    /// `cached_tokens`: `None` when the engine does not report it.
+    pub fn new(prompt_tokens: u64, completion_tokens: u64, cached_tokens: Option<u64>) -> Self {
         Self {
             prompt_tokens,
             total_tokens: prompt_tokens + completion_tokens,
             completion_tokens,
-            prompt_tokens_details: PromptTokensDetails { cached_tokens },
+            prompt_tokens_details: cached_tokens
+                .map(|cached_tokens| PromptTokensDetails { cached_tokens }),
             kvroute_engine_ttft_us: None,
         }
     }
@@ -325,6 +334,9 @@ pub(crate) struct Envelope<'a, C: Serialize> {
     pub choices: C,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
+    /// A vLLM prefill leg's answer (P/D): what the decode leg carries.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_transfer_params: Option<&'a Value>,
 }
 
 /// A `text_completion` choice (whole or a chunk's).

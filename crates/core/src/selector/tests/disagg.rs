@@ -331,3 +331,38 @@ fn a_cached_disaggregated_selection_replays_leg_by_leg() {
         0
     );
 }
+
+#[test]
+fn decode_workers_that_cannot_run_whole_requests_never_take_a_bypass() {
+    let mut s = pd_fleet(SelectorConfig::default());
+    let prompt = tokens(17);
+    // Decode worker 4 holds the prompt: a bypass, unless decode workers cannot run it whole
+    // (SGLang), when both legs run as usual.
+    store_prompt(&mut s, 4, &prompt, Tier::Device);
+    let p = partition();
+    let now = Instant::now();
+    let vllm = s
+        .select_disaggregated(&select_req(&p, &prompt, None), now, &mut rng())
+        .unwrap();
+    assert_eq!(vllm.bypass, Some(PdBypass::SmallUncached));
+    let sglang = SelectRequest {
+        decode_runs_whole: false,
+        ..select_req(&p, &prompt, None)
+    };
+    let picks = s.select_disaggregated(&sglang, now, &mut rng()).unwrap();
+    assert_eq!(picks.bypass, None);
+    assert!(picks.prefill.is_some());
+    assert_eq!(
+        picks.decode.worker_id, 4,
+        "the decode worker holding the prompt"
+    );
+    // A plain select of such a request has no worker at all here.
+    let err = s.select(&sglang, now, &mut rng()).unwrap_err();
+    assert!(matches!(err, Error::NoEndpointsAvailable), "{err:?}");
+    // A `both` worker takes the bypass.
+    s.upsert_worker(spec(5)).unwrap();
+    store_prompt(&mut s, 5, &prompt, Tier::Device);
+    let picks = s.select_disaggregated(&sglang, now, &mut rng()).unwrap();
+    assert_eq!(picks.bypass, Some(PdBypass::SmallUncached));
+    assert_eq!(picks.decode.worker_id, 5);
+}

@@ -1,116 +1,13 @@
-//! Workers from flags and from the workers file, registered in the selector's catalog like a
-//! `POST /workers` (which also works on the gateway's port: the catalog's `endpoint` is the
-//! URL the gateway sends a worker's requests to).
-//!
-//! A worker's id is given in the file or derived from its URL (53 bits of its xxh3, so that
-//! JavaScript clients read it exactly), so the same worker keeps its id across reloads and
-//! restarts, and a re-registration keeps its bookings.
-//!
-//! The workers file:
-//!
-//! ```toml
-//! # Defaults for the workers below (else --model, --block-size, --max-num-batched-tokens).
-//! model = "llama"
-//! block_size = 16
-//! max_num_batched_tokens = 8192      # optional: the engines' prefill budget per step
-//!
-//! [[workers]]
-//! url = "http://10.0.0.1:8000"
-//! kv_events = "tcp://10.0.0.1:5557"   # optional: the engine's KV-event publisher
-//!
-//! [[workers]]
-//! url = "http://10.0.0.2:8000"
-//! model = "qwen"                       # optional, per worker
-//! worker_id = 7                        # optional
-//! ```
-//!
-//! The file is read at start (an error stops the gateway) and polled every
-//! `--workers-file-poll-ms` after: a change upserts what changed and deletes what it no
-//! longer lists; a broken file keeps the workers as they were.
+//! The workers file: parsed, applied as a diff, and watched.
 
+use super::entry::{WorkerEntry, check_events, check_url, register, worker_id_for};
 use crate::booking::ServiceLink;
 use crate::health::HealthHandle;
-use kvroute_service::types::WorkerBody;
+use kvroute_core::selector::WorkerRole;
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-
-/// One worker to register.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct WorkerEntry {
-    pub worker_id: u64,
-    pub url: String,
-    pub kv_events: Option<String>,
-    pub model: String,
-    pub block_size: u32,
-    /// The engine's `--max-num-batched-tokens` (the admission queue's capacity; required with
-    /// `--queue-threshold`).
-    pub max_num_batched_tokens: Option<u64>,
-}
-
-impl WorkerEntry {
-    pub fn body(&self) -> WorkerBody {
-        WorkerBody {
-            worker_id: Some(self.worker_id),
-            model_name: Some(self.model.clone()),
-            endpoint: Some(self.url.clone()),
-            block_size: Some(self.block_size),
-            kv_events_endpoint: self.kv_events.clone(),
-            max_num_batched_tokens: self.max_num_batched_tokens,
-            ..WorkerBody::default()
-        }
-    }
-}
-
-/// A worker id from its URL: stable, and at most 2^53 − 1.
-pub fn worker_id_for(url: &str) -> u64 {
-    xxhash_rust::xxh3::xxh3_64(url.as_bytes()) & ((1 << 53) - 1)
-}
-
-/// A worker's base URL: `http://host[:port][/prefix]`, without a trailing `/`.
-pub fn check_url(url: &str) -> Result<String, String> {
-    let trimmed = url.trim_end_matches('/');
-    let Some(rest) = trimmed.strip_prefix("http://") else {
-        return Err(format!(
-            "a worker URL must start with http:// (got `{url}`)"
-        ));
-    };
-    if rest.is_empty() || rest.starts_with('/') {
-        return Err(format!("a worker URL needs a host (got `{url}`)"));
-    }
-    trimmed
-        .parse::<axum::http::Uri>()
-        .map_err(|e| format!("invalid worker URL `{url}`: {e}"))?;
-    Ok(trimmed.to_string())
-}
-
-fn check_events(endpoint: &str) -> Result<String, String> {
-    if endpoint.starts_with("tcp://") && endpoint.len() > "tcp://".len() {
-        Ok(endpoint.to_string())
-    } else {
-        Err(format!(
-            "a KV-event endpoint must be tcp://HOST:PORT (got `{endpoint}`)"
-        ))
-    }
-}
-
-/// `--worker URL` or `--worker URL=tcp://HOST:PORT`.
-pub fn parse_worker_flag(raw: &str, model: &str, block_size: u32) -> Result<WorkerEntry, String> {
-    let (url, kv_events) = match raw.split_once("=tcp://") {
-        Some((url, rest)) => (url, Some(check_events(&format!("tcp://{rest}"))?)),
-        None => (raw, None),
-    };
-    let url = check_url(url)?;
-    Ok(WorkerEntry {
-        worker_id: worker_id_for(&url),
-        url,
-        kv_events,
-        model: model.to_string(),
-        block_size,
-        max_num_batched_tokens: None,
-    })
-}
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -131,6 +28,8 @@ struct FileWorker {
     block_size: Option<u32>,
     max_num_batched_tokens: Option<u64>,
     worker_id: Option<u64>,
+    role: Option<String>,
+    bootstrap_port: Option<u16>,
 }
 
 /// Parses a workers file; `model`, `block_size` and `max_num_batched_tokens` default to the
@@ -160,6 +59,13 @@ pub fn parse_workers_file(
                 .map(check_events)
                 .transpose()
                 .map_err(at)?;
+            let role = match w.role.as_deref() {
+                Some(role) => role.parse::<WorkerRole>().map_err(at)?,
+                None => WorkerRole::Both,
+            };
+            if w.bootstrap_port.is_some() && role != WorkerRole::Prefill {
+                return Err(at("bootstrap_port is for prefill workers only".to_string()));
+            }
             let entry = WorkerEntry {
                 worker_id: w.worker_id.unwrap_or_else(|| worker_id_for(&url)),
                 url,
@@ -167,6 +73,8 @@ pub fn parse_workers_file(
                 model: w.model.unwrap_or_else(|| model.clone()),
                 block_size: w.block_size.unwrap_or(block_size),
                 max_num_batched_tokens: w.max_num_batched_tokens.or(max_num_batched_tokens),
+                role,
+                bootstrap_port: w.bootstrap_port,
             };
             if entry.block_size == 0 {
                 return Err(at("block_size must be at least 1".to_string()));
@@ -180,15 +88,6 @@ pub fn parse_workers_file(
             Ok(entry)
         })
         .collect()
-}
-
-/// Registers (or re-registers) workers in the catalog.
-pub fn register(link: &ServiceLink, workers: &[WorkerEntry]) -> Result<(), String> {
-    for worker in workers {
-        link.upsert_worker(worker.body())
-            .map_err(|e| format!("worker {}: {e}", worker.url))?;
-    }
-    Ok(())
 }
 
 /// What a workers file's entries default to (the flags').
@@ -306,19 +205,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn flags_name_a_url_and_maybe_an_event_endpoint() {
-        let w = parse_worker_flag("http://127.0.0.1:8001/", "m", 16).unwrap();
-        assert_eq!(w.url, "http://127.0.0.1:8001");
-        assert_eq!(w.worker_id, worker_id_for("http://127.0.0.1:8001"));
-        assert!(w.worker_id < 1 << 53);
-        let w = parse_worker_flag("http://h:1=tcp://h:5557", "m", 16).unwrap();
-        assert_eq!(w.kv_events.as_deref(), Some("tcp://h:5557"));
-        assert!(parse_worker_flag("https://h", "m", 16).is_err());
-        assert!(parse_worker_flag("http://", "m", 16).is_err());
-        assert!(parse_worker_flag("http://h:1=tcp://", "m", 16).is_err());
-    }
-
-    #[test]
     fn the_file_gives_defaults_and_refuses_mistakes() {
         let text = r#"
             model = "llama"
@@ -352,5 +238,22 @@ mod tests {
                 .contains("workers[1]")
         );
         assert!(parse_workers_file("", "m", 1, None).unwrap().is_empty());
+        let roles = "[[workers]]\nurl = \"http://a\"\nrole = \"prefill\"\nbootstrap_port = 8998\n\
+                     [[workers]]\nurl = \"http://b\"\nrole = \"decode\"";
+        let workers = parse_workers_file(roles, "m", 16, None).unwrap();
+        assert_eq!(
+            (workers[0].role, workers[0].bootstrap_port),
+            (WorkerRole::Prefill, Some(8998))
+        );
+        assert_eq!(workers[1].role, WorkerRole::Decode);
+        let bad_role = "[[workers]]\nurl = \"http://a\"\nrole = \"prefil\"";
+        assert!(
+            parse_workers_file(bad_role, "m", 16, None)
+                .unwrap_err()
+                .contains("role")
+        );
+        let port_on_decode =
+            "[[workers]]\nurl = \"http://a\"\nrole = \"decode\"\nbootstrap_port = 1";
+        assert!(parse_workers_file(port_on_decode, "m", 16, None).is_err());
     }
 }
