@@ -15,6 +15,8 @@
 //!   Dynamo's defaults (`dynamo`) or kvroute's own (`kvroute`).
 //! - [`replicas`]: several routers of one policy that hear of each other's bookings late
 //!   (`--router-replicas`).
+//! - [`index_bench`]: the schedule of `kvroute bench index`: a trace's KV events and lookups
+//!   from a fleet of engines on one timeline, for replay against the index.
 //! - [`sim`]: the event loop ([`sim::run_policy`]).
 //! - [`suite`]: the workload suite (`kvroute sim --suite`): every policy on several traffic
 //!   shapes, loads, replica counts and both engine models, and how far each is from the best.
@@ -39,6 +41,7 @@
 
 pub mod engine;
 mod error;
+pub mod index_bench;
 pub mod policy;
 pub mod pool;
 pub mod replicas;

@@ -54,8 +54,8 @@
 
 mod holders;
 mod lookup;
-#[cfg(test)]
-mod reference;
+#[cfg(any(test, feature = "reference"))]
+pub mod reference;
 mod remove;
 mod walk;
 
