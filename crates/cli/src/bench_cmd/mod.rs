@@ -20,8 +20,6 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
-pub use replay::ReplayReport;
-
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
     #[command(subcommand)]

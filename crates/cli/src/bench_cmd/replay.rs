@@ -18,7 +18,7 @@ use super::verify::VerifyReport;
 use kvroute_core::error::PartitionKey;
 use kvroute_core::event::KvEvent;
 use kvroute_core::selector::Selector;
-use kvroute_sim::index_bench::{IndexSchedule, OpKind};
+use kvroute_sim::index_bench::{IndexSchedule, OpKind, ScheduledOp};
 use parking_lot::{RwLock, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
@@ -108,7 +108,7 @@ pub fn replay(
     partition: &PartitionKey,
 ) -> Result<ReplayReport, String> {
     let batch_blocks: Vec<u64> = schedule.batches.iter().map(|b| blocks_of(b)).collect();
-    let (lookups, events): (Vec<_>, Vec<_>) = schedule
+    let (lookups, events): (Vec<&ScheduledOp>, Vec<&ScheduledOp>) = schedule
         .ops
         .iter()
         .partition(|op| matches!(op.kind, OpKind::Lookup { .. }));

@@ -434,8 +434,14 @@ impl Walk {
         });
     }
 
-    /// Every rank still matching matched all blocks up to `depth`; the overlaps, in slot order.
-    pub(super) fn finish(mut self, depth: u32, slots: &[RankSlot]) -> Vec<RankOverlap> {
+    /// Every rank still matching matched all blocks up to `depth`; the overlaps, in rank order
+    /// (`rank_order`: the slots of the known ranks in rank order).
+    pub(super) fn finish(
+        mut self,
+        depth: u32,
+        slots: &[RankSlot],
+        rank_order: &[u32],
+    ) -> Vec<RankOverlap> {
         let overlap = |slot: usize, ends: [u32; 3]| {
             slots
                 .get(slot)
@@ -472,18 +478,16 @@ impl Walk {
         if self.ends.is_empty() {
             let mut all = self.done;
             all.extend_from_slice(&self.list);
-            all.sort_unstable_by_key(|r| r.slot);
+            all.sort_unstable_by_key(|r| slots.get(r.slot as usize).and_then(|s| s.rank));
             out.extend(all.iter().filter_map(|r| overlap(r.slot as usize, r.ends)));
         } else {
             for r in self.done.iter().chain(&self.list) {
                 self.ends[r.slot as usize] = r.ends;
             }
-            out.extend(
-                self.ends
-                    .iter()
-                    .enumerate()
-                    .filter_map(|(slot, &ends)| overlap(slot, ends)),
-            );
+            out.extend(rank_order.iter().filter_map(|&slot| {
+                let slot = slot as usize;
+                overlap(slot, self.ends.get(slot).copied().unwrap_or_default())
+            }));
         }
         out
     }
