@@ -62,6 +62,10 @@ pub struct IndexBenchArgs {
     /// Keep only the first N requests of the trace.
     #[arg(long)]
     pub max_requests: Option<usize>,
+    /// Threads issuing lookups (lookups are dealt to them round robin); events have one thread,
+    /// as the service's applier. The default, one, makes one thread a core on two cores.
+    #[arg(long, default_value_t = 1)]
+    pub lookup_threads: usize,
     /// Lookups checked against the reference index after the run (0: no check).
     #[arg(long, default_value_t = 100)]
     pub verify_sample: usize,
@@ -151,13 +155,27 @@ fn rss_bytes() -> (Option<u64>, Option<u64>) {
     (field("VmHWM:"), field("VmRSS:"))
 }
 
+/// CPU time (user + system) this process has used, in seconds (Linux; `None` elsewhere).
+fn cpu_secs() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name (which may hold spaces) start at its closing parenthesis;
+    // utime and stime are the 14th and 15th fields, in clock ticks of 1/100 s on Linux.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let mut fields = rest.split_whitespace().skip(11);
+    let utime: f64 = fields.next()?.parse().ok()?;
+    let stime: f64 = fields.next()?.parse().ok()?;
+    Some((utime + stime) / 100.0)
+}
+
 fn run_index(args: &IndexBenchArgs) -> Result<(), String> {
     let prep = Instant::now();
     let schedule = schedule_from(args)?;
     let selector = fleet_selector(schedule.total_workers, args.block_size)?;
     let prep_secs = prep.elapsed().as_secs_f64();
     let (_, rss_before) = rss_bytes();
-    let report = replay::replay(&schedule, selector, &partition())?;
+    let cpu_before = cpu_secs();
+    let mut report = replay::replay(&schedule, selector, &partition(), args.lookup_threads)?;
+    report.cpu_secs = cpu_before.zip(cpu_secs()).map(|(a, b)| b - a);
     let (peak_rss, rss_after) = rss_bytes();
     let verify = if args.verify_sample > 0 {
         Some(verify::verify(&schedule, args.block_size, args.verify_sample)?)
@@ -176,6 +194,7 @@ fn run_index(args: &IndexBenchArgs) -> Result<(), String> {
             "block_size": args.block_size,
             "num_gpu_blocks": args.num_gpu_blocks,
             "seed": args.seed,
+            "lookup_threads": args.lookup_threads,
             "cores": std::thread::available_parallelism().map_or(0, |n| n.get()),
             "prep_secs": prep_secs,
         }),

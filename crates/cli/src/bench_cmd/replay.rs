@@ -1,4 +1,4 @@
-//! The timed replay: two threads against one `RwLock<Selector>`, as in the service.
+//! The timed replay: threads against one `RwLock<Selector>`, as in the service.
 //!
 //! - **Events** (the applier's part): at each batch's deadline, or at once when behind, the
 //!   thread takes the write lock and applies the due batches through `Selector::apply_events`,
@@ -6,9 +6,10 @@
 //!   The queue is implicit: a batch is due from its deadline, and waits until the thread gets to
 //!   it. Unlike the service's applier there is no lock budget (a cap on the write lock's share of
 //!   time), so the bench measures what the index can apply, not the budget.
-//! - **Lookups** (a select's index walk): at each lookup's deadline, or at once when behind, the
-//!   thread takes the read lock and runs `Selector::index_overlaps`, the walk `select` runs
-//!   before scoring.
+//! - **Lookups** (a select's index walk), on `lookup_threads` threads (the service's HTTP
+//!   runtime has one a core), lookups dealt round robin: at each lookup's deadline, or at once
+//!   when behind, a thread takes the read lock and runs `Selector::index_overlaps`, the walk
+//!   `select` runs before scoring.
 //!
 //! Every operation is issued at an absolute deadline from one start instant, whatever happened
 //! before it (open loop), and the clock stops when the last operation of either thread is done
@@ -84,6 +85,8 @@ pub struct ReplayReport {
     pub held_pairs: usize,
     pub indexed_blocks: usize,
     pub index_bytes: usize,
+    /// CPU time the process used during the replay (all threads), when known.
+    pub cpu_secs: Option<f64>,
 }
 
 fn wait_until(deadline: Instant) {
@@ -101,12 +104,30 @@ fn wait_until(deadline: Instant) {
     }
 }
 
+/// Takes the read lock, spinning rather than sleeping while a write hold (tens of microseconds)
+/// ends: a thread put to sleep waits for the scheduler to wake it, which on a busy host costs
+/// more than the hold and would measure the kernel, not the index. Past a bound it sleeps.
+fn read_spinning(lock: &RwLock<Selector>) -> parking_lot::RwLockReadGuard<'_, Selector> {
+    let until = Instant::now() + Duration::from_micros(500);
+    loop {
+        if let Some(guard) = lock.try_read() {
+            return guard;
+        }
+        if Instant::now() > until {
+            return lock.read();
+        }
+        std::hint::spin_loop();
+    }
+}
+
 /// Replays the schedule into `selector` (its workers registered). See the module documentation.
 pub fn replay(
     schedule: &IndexSchedule,
     selector: Selector,
     partition: &PartitionKey,
+    lookup_threads: usize,
 ) -> Result<ReplayReport, String> {
+    let lookup_threads = lookup_threads.max(1);
     let batch_blocks: Vec<u64> = schedule.batches.iter().map(|b| blocks_of(b)).collect();
     let (lookups, events): (Vec<&ScheduledOp>, Vec<&ScheduledOp>) = schedule
         .ops
@@ -161,40 +182,48 @@ pub fn replay(
             }
             (apply, hold, start.elapsed())
         });
-        let lookups_thread = scope.spawn(move || {
-            let mut service = Latencies::default();
-            let mut scheduled = Latencies::default();
-            let mut matched = 0u64;
-            for op in &lookups {
-                let OpKind::Lookup { prompt } = op.kind else {
-                    continue;
-                };
-                let deadline = start + Duration::from_nanos(op.deadline_nanos);
-                wait_until(deadline);
-                let guard = lock.read();
-                let began = Instant::now();
-                let answer = guard.index_overlaps(partition, &schedule.prompts[prompt as usize]);
-                drop(guard);
-                let done = Instant::now();
-                matched += answer.map_or(0, |a| a.len() as u64);
-                service.push(done - began);
-                scheduled.push(done - deadline);
-            }
-            (service, scheduled, matched, start.elapsed())
-        });
+        let lanes: Vec<_> = (0..lookup_threads)
+            .map(|lane| {
+                let lookups = &lookups;
+                scope.spawn(move || {
+                    let mut service = Latencies::default();
+                    let mut scheduled = Latencies::default();
+                    let mut matched = 0u64;
+                    for op in lookups.iter().skip(lane).step_by(lookup_threads) {
+                        let OpKind::Lookup { prompt } = op.kind else {
+                            continue;
+                        };
+                        let deadline = start + Duration::from_nanos(op.deadline_nanos);
+                        wait_until(deadline);
+                        let guard = read_spinning(lock);
+                        let began = Instant::now();
+                        let answer =
+                            guard.index_overlaps(partition, &schedule.prompts[prompt as usize]);
+                        drop(guard);
+                        let done = Instant::now();
+                        matched += answer.map_or(0, |a| a.len() as u64);
+                        service.push(done - began);
+                        scheduled.push(done - deadline);
+                    }
+                    (service, scheduled, matched, start.elapsed())
+                })
+            })
+            .collect();
         let (apply, hold, events_done) = events_thread
             .join()
             .map_err(|_| "the events thread panicked".to_string())?;
-        let (service, scheduled, matched, lookups_done) = lookups_thread
-            .join()
-            .map_err(|_| "the lookups thread panicked".to_string())?;
+        for lane in lanes {
+            let (service, scheduled, matched, done) = lane
+                .join()
+                .map_err(|_| "a lookup thread panicked".to_string())?;
+            report.lookup_service.0.extend(service.0);
+            report.lookup_scheduled_to_done.0.extend(scheduled.0);
+            report.matched_ranks += matched;
+            report.lookups_done = report.lookups_done.max(done);
+        }
         report.apply_scheduled_to_done = apply;
         report.hold = hold;
         report.events_done = events_done;
-        report.lookup_service = service;
-        report.lookup_scheduled_to_done = scheduled;
-        report.matched_ranks = matched;
-        report.lookups_done = lookups_done;
         Ok::<(), String>(())
     })?;
     report.wall = report.events_done.max(report.lookups_done);
@@ -275,6 +304,7 @@ impl ReplayReport {
             "wall_secs": self.wall.as_secs_f64(),
             "drain_secs": self.drain().as_secs_f64(),
             "kept_up": self.kept_up(),
+            "replay_cpu_secs": self.cpu_secs,
             "offered_ops_per_sec": self.rate(c.logical_ops(), self.span),
             "achieved_ops_per_sec": self.rate(c.logical_ops(), self.wall),
             "offered_block_ops_per_sec": self.rate(c.block_ops(), self.span),
@@ -329,6 +359,12 @@ impl ReplayReport {
             self.drain().as_secs_f64(),
             self.kept_up(),
         );
+        if let Some(cpu) = self.cpu_secs {
+            out += &format!(
+                "replay CPU {cpu:.2} s ({:.2} cores busy on average)\n",
+                cpu / self.wall.as_secs_f64().max(1e-9)
+            );
+        }
         out += &format!(
             "ops/s offered {:.0} achieved {:.0}   block ops/s offered {:.0} achieved {:.0}\n",
             self.rate(c.logical_ops(), self.span),

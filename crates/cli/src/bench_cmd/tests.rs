@@ -54,6 +54,7 @@ fn args(trace: &std::path::Path) -> IndexBenchArgs {
         seed: 3,
         max_requests: None,
         verify_sample: 10_000,
+        lookup_threads: 2,
         json: None,
     }
 }
@@ -78,7 +79,7 @@ fn the_replay_applies_every_event_and_answers_every_lookup() {
     let args = args(&trace.0);
     let schedule = schedule_from(&args).expect("schedule");
     let selector = fleet_selector(schedule.total_workers, args.block_size).expect("fleet");
-    let report = replay::replay(&schedule, selector, &partition()).expect("replay");
+    let report = replay::replay(&schedule, selector, &partition(), 2).expect("replay");
     assert_eq!(
         report.lookup_service.quantile_us(1.0) > 0.0,
         schedule.counts.lookups > 0

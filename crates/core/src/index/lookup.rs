@@ -258,6 +258,6 @@ impl RadixIndex {
             + slots
             + table_bytes(self.slot_of.capacity(), std::mem::size_of::<(Rank, u32)>())
             + self.free_slots.capacity() * 4
-            + self.rank_order.capacity() * 4
+            + self.rank_order.capacity() * std::mem::size_of::<(Rank, u32)>()
     }
 }

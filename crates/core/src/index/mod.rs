@@ -434,9 +434,9 @@ pub struct RadixIndex {
     stale_entries: bool,
     slots: Vec<RankSlot>,
     slot_of: HashMap<Rank, u32>,
-    /// The slots of the known ranks, in rank order: lookups answer in this order, so a caller
-    /// that wants its answers sorted by rank (the selector's candidates) sorts a sorted list.
-    rank_order: Vec<u32>,
+    /// The known ranks and their slots, in rank order: lookups answer in this order, so a caller
+    /// that wants its answers sorted by rank (the selector's candidates) gets them so.
+    rank_order: Vec<(Rank, u32)>,
     free_slots: Vec<u32>,
     /// Node creation order, for evicting the oldest past the cap. Also holds records of dead
     /// nodes (skipped), dropped by the purge that recycles them.
@@ -503,11 +503,8 @@ impl RadixIndex {
         };
         self.slots[slot as usize].rank = Some(rank);
         self.slot_of.insert(rank, slot);
-        let slots = &self.slots;
-        let at = self
-            .rank_order
-            .partition_point(|&s| slots[s as usize].rank < Some(rank));
-        self.rank_order.insert(at, slot);
+        let at = self.rank_order.partition_point(|&(r, _)| r < rank);
+        self.rank_order.insert(at, (rank, slot));
         Some(slot)
     }
 

@@ -38,9 +38,7 @@ impl Selector {
         sequence_hashes: &[u64],
     ) -> Option<Vec<RankOverlap>> {
         let p = self.partitions.get(partition)?;
-        let mut ranks = p.index.find_matches(sequence_hashes).ranks;
-        ranks.sort_unstable_by_key(|o| o.rank);
-        Some(ranks)
+        Some(p.index.find_matches(sequence_hashes).ranks)
     }
 
     /// Estimated bytes of a partition's index ([`crate::index::RadixIndex::memory_bytes`]).
