@@ -363,7 +363,12 @@ mod tests {
         }
         let last = three.ops.last().map(|o| o.deadline_nanos);
         assert_eq!(last, Some(1_000_000_000));
-        assert!(three.ops.windows(2).all(|w| w[0].deadline_nanos <= w[1].deadline_nanos));
+        assert!(
+            three
+                .ops
+                .windows(2)
+                .all(|w| w[0].deadline_nanos <= w[1].deadline_nanos)
+        );
     }
 
     #[test]

@@ -178,7 +178,11 @@ fn run_index(args: &IndexBenchArgs) -> Result<(), String> {
     report.cpu_secs = cpu_before.zip(cpu_secs()).map(|(a, b)| b - a);
     let (peak_rss, rss_after) = rss_bytes();
     let verify = if args.verify_sample > 0 {
-        Some(verify::verify(&schedule, args.block_size, args.verify_sample)?)
+        Some(verify::verify(
+            &schedule,
+            args.block_size,
+            args.verify_sample,
+        )?)
     } else {
         None
     };

@@ -91,7 +91,10 @@ fn the_replay_applies_every_event_and_answers_every_lookup() {
         None,
     );
     assert_eq!(json["lookup_service"]["count"], schedule.counts.lookups);
-    assert_eq!(json["apply_scheduled_to_done"]["count"], schedule.counts.batches);
+    assert_eq!(
+        json["apply_scheduled_to_done"]["count"],
+        schedule.counts.batches
+    );
     // After the whole schedule, the index holds what the engines' pools hold: every duplicate
     // of a worker holds the same blocks.
     assert!(report.held_pairs > 0);

@@ -39,7 +39,7 @@ pub fn verify(
             }
             OpKind::Lookup { prompt } => {
                 lookup += 1;
-                if lookup % every != 0 {
+                if !lookup.is_multiple_of(every) {
                     continue;
                 }
                 let hashes = &schedule.prompts[prompt as usize];

@@ -472,7 +472,11 @@ impl Walk {
                 .filter_map(|r| rank_of(r.slot).map(|rank| (rank, r.ends)))
                 .collect();
             ranked.sort_unstable_by_key(|&(rank, _)| rank);
-            out.extend(ranked.into_iter().filter_map(|(rank, ends)| overlap(rank, ends)));
+            out.extend(
+                ranked
+                    .into_iter()
+                    .filter_map(|(rank, ends)| overlap(rank, ends)),
+            );
             return out;
         }
         for r in self.done.iter().chain(&self.list) {

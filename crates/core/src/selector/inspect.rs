@@ -29,9 +29,9 @@ impl Selector {
     }
 
     /// The index walk of a select alone: every rank of the partition with a non-zero overlap with
-    /// a prompt given by its sequence hashes, in rank order (what `select` scores), and the
-    /// index's estimated bytes. For `kvroute bench index`, which times the walk without the
-    /// scoring. `None` when the partition has no index.
+    /// a prompt given by its sequence hashes, in rank order (what `select` scores). For
+    /// `kvroute bench index`, which times the walk without the scoring. `None` when the
+    /// partition has no index.
     pub fn index_overlaps(
         &self,
         partition: &PartitionKey,
@@ -43,7 +43,9 @@ impl Selector {
 
     /// Estimated bytes of a partition's index ([`crate::index::RadixIndex::memory_bytes`]).
     pub fn index_memory_bytes(&self, partition: &PartitionKey) -> Option<usize> {
-        self.partitions.get(partition).map(|p| p.index.memory_bytes())
+        self.partitions
+            .get(partition)
+            .map(|p| p.index.memory_bytes())
     }
 
     /// Indexed blocks and `(block, rank)` pairs per partition (for metrics).
