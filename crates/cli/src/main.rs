@@ -5,6 +5,7 @@
 //! `SPEC §n` in this crate is section n of `docs/SPEC.md`.
 #![forbid(unsafe_code)]
 
+mod bench_cmd;
 mod fake_engine_cmd;
 mod gateway_cmd;
 mod hash_cmd;
@@ -48,6 +49,9 @@ enum Command {
     /// Simulate a fleet: replay a trace (or a synthetic workload) under several routing policies
     /// and compare prefix hit rate, TTFT, latency and balance.
     Sim(sim_cmd::SimArgs),
+    /// Benchmarks of kvroute's own parts: `bench index` replays a trace's KV events and lookups
+    /// from a simulated fleet into the index, open loop (bench/index/README.md).
+    Bench(bench_cmd::BenchArgs),
 }
 
 fn init_logging() {
@@ -77,5 +81,6 @@ fn main() -> ExitCode {
             fake_engine_cmd::run(&args)
         }
         Command::Sim(args) => sim_cmd::run(&args),
+        Command::Bench(args) => bench_cmd::run(&args),
     }
 }

@@ -15,6 +15,8 @@
 //!   Dynamo's defaults (`dynamo`) or kvroute's own (`kvroute`).
 //! - [`replicas`]: several routers of one policy that hear of each other's bookings late
 //!   (`--router-replicas`).
+//! - [`index_bench`]: the schedule of `kvroute bench index`: a trace's KV events and lookups
+//!   from a fleet of engines on one timeline, for replay against the index.
 //! - [`sim`]: the event loop ([`sim::run_policy`]).
 //! - [`pd`]: disaggregated prefill/decode fleets (prefill pool, KV transfer, decode pool), their
 //!   routers, and the comparison of aggregated and P/D fleets (`kvroute sim --pd`, `--suite-pd`).
@@ -41,6 +43,7 @@
 
 pub mod engine;
 mod error;
+pub mod index_bench;
 pub mod pd;
 pub mod policy;
 pub mod pool;

@@ -174,7 +174,9 @@ enum HeapHolders {
     Small([u32; SMALL]),
     /// Packed entries sorted by slot.
     Sparse(Vec<u32>),
-    Dense(DenseHolders),
+    /// Boxed: dense sets are few (blocks most ranks hold), and inline they would make every
+    /// arena slot 72 bytes instead of 56.
+    Dense(Box<DenseHolders>),
 }
 
 /// The holder sets that do not fit in their nodes, addressed by index.
@@ -211,7 +213,9 @@ impl HolderArena {
             .map(|s| match s {
                 HeapHolders::Free | HeapHolders::Small(_) => 0,
                 HeapHolders::Sparse(entries) => entries.capacity() * 4 + ALLOCATION_OVERHEAD,
-                HeapHolders::Dense(dense) => dense.heap_bytes(),
+                HeapHolders::Dense(dense) => {
+                    std::mem::size_of::<DenseHolders>() + ALLOCATION_OVERHEAD + dense.heap_bytes()
+                }
             })
             .sum::<usize>();
         self.sets.capacity() * std::mem::size_of::<HeapHolders>() + self.free.capacity() * 4 + sets
@@ -395,7 +399,7 @@ impl Holders {
                         for e in self.entries_packed(arena) {
                             dense.set_mask(entry_slot(e), entry_mask(e), rank_slots);
                         }
-                        arena.sets[i as usize] = HeapHolders::Dense(dense);
+                        arena.sets[i as usize] = HeapHolders::Dense(Box::new(dense));
                     }
                 }
             }
@@ -488,6 +492,12 @@ fn set_sorted(entries: &mut Vec<u32>, slot: u32, mask: TierMask, count: u32) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_arena_slot_is_no_larger_than_a_small_set_and_its_tag() {
+        // Every block with 4 to 12 holders takes one slot: the dense variant stays boxed.
+        assert!(std::mem::size_of::<HeapHolders>() <= 56);
+    }
 
     fn check(h: &Holders, arena: &HolderArena, expected: &std::collections::BTreeMap<u32, u8>) {
         assert_eq!(h.len(), expected.len());

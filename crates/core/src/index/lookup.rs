@@ -29,7 +29,7 @@ impl RadixIndex {
 
     /// Each rank's overlap with a prompt given by its sequence hashes: the number of leading
     /// blocks it holds, per cumulative tier. Ranks with no overlap are left out; the others come
-    /// in rank-slot order.
+    /// in rank order.
     pub fn find_matches(&self, sequence_hashes: &[u64]) -> Matches {
         let mut walk: Option<Walk> = None;
         let mut chunk = [0u32; LOOKUP_CHUNK];
@@ -72,7 +72,7 @@ impl RadixIndex {
         match walk {
             None => Matches::default(),
             Some(w) => Matches {
-                ranks: w.finish(depth as u32, &self.slots),
+                ranks: w.finish(depth as u32, &self.slots, &self.rank_order),
             },
         }
     }
@@ -258,5 +258,6 @@ impl RadixIndex {
             + slots
             + table_bytes(self.slot_of.capacity(), std::mem::size_of::<(Rank, u32)>())
             + self.free_slots.capacity() * 4
+            + self.rank_order.capacity() * std::mem::size_of::<(Rank, u32)>()
     }
 }

@@ -54,8 +54,8 @@
 
 mod holders;
 mod lookup;
-#[cfg(test)]
-mod reference;
+#[cfg(any(test, feature = "reference"))]
+pub mod reference;
 mod remove;
 mod walk;
 
@@ -434,6 +434,9 @@ pub struct RadixIndex {
     stale_entries: bool,
     slots: Vec<RankSlot>,
     slot_of: HashMap<Rank, u32>,
+    /// The known ranks and their slots, in rank order: lookups answer in this order, so a caller
+    /// that wants its answers sorted by rank (the selector's candidates) gets them so.
+    rank_order: Vec<(Rank, u32)>,
     free_slots: Vec<u32>,
     /// Node creation order, for evicting the oldest past the cap. Also holds records of dead
     /// nodes (skipped), dropped by the purge that recycles them.
@@ -500,6 +503,8 @@ impl RadixIndex {
         };
         self.slots[slot as usize].rank = Some(rank);
         self.slot_of.insert(rank, slot);
+        let at = self.rank_order.partition_point(|&(r, _)| r < rank);
+        self.rank_order.insert(at, (rank, slot));
         Some(slot)
     }
 

@@ -1,6 +1,7 @@
-//! A naive reference model of the index, for property tests: per rank a plain map from engine
-//! hash to (sequence hash, per-tier store counts), and lookups by linear scans. Obviously correct,
-//! slow, and unbounded (no block cap).
+//! A naive reference model of the index, for property tests and for `kvroute bench index`'s
+//! check of sampled lookups (cargo feature `reference`): per rank a plain map from engine hash to
+//! (sequence hash, per-tier store counts), and beside it the same counts summed per sequence hash,
+//! which lookups read. Obviously correct, slow, and unbounded (no block cap).
 
 use super::{ApplyOutcome, Matches, RankOverlap};
 use crate::event::{KvEvent, Rank, Tier};
@@ -11,6 +12,17 @@ use std::collections::BTreeMap;
 pub struct ReferenceIndex {
     /// rank → engine hash → (sequence hash, counts per tier).
     ranks: BTreeMap<Rank, BTreeMap<u64, (u64, [u32; 3])>>,
+    /// rank → sequence hash → counts per tier summed over the rank's engine hashes on it.
+    by_sequence: BTreeMap<Rank, BTreeMap<u64, [u32; 3]>>,
+}
+
+/// Adds `delta` to the count of `tier` of `seq` in a rank's per-sequence sums.
+fn add_count(sums: &mut BTreeMap<u64, [u32; 3]>, seq: u64, tier: usize, delta: i64) {
+    let counts = sums.entry(seq).or_insert([0; 3]);
+    counts[tier] = (i64::from(counts[tier]) + delta) as u32;
+    if *counts == [0; 3] {
+        sums.remove(&seq);
+    }
 }
 
 impl ReferenceIndex {
@@ -23,6 +35,7 @@ impl ReferenceIndex {
                 tier,
             } => {
                 let held = self.ranks.entry(rank).or_default();
+                let sums = self.by_sequence.entry(rank).or_default();
                 let mut previous = match parent {
                     None => None,
                     Some(p) => match held.get(p) {
@@ -38,9 +51,13 @@ impl ReferenceIndex {
                     let entry = held.entry(block.engine_hash).or_insert((seq, [0; 3]));
                     if entry.0 != seq {
                         outcome.engine_hash_conflicts += 1;
+                        for (t, &c) in entry.1.iter().enumerate() {
+                            add_count(sums, entry.0, t, -i64::from(c));
+                        }
                         *entry = (seq, [0; 3]);
                     }
                     entry.1[tier.index()] += 1;
+                    add_count(sums, seq, tier.index(), 1);
                     outcome.stored_blocks += 1;
                     previous = Some(seq);
                 }
@@ -50,10 +67,12 @@ impl ReferenceIndex {
                 tier,
             } => {
                 let held = self.ranks.entry(rank).or_default();
+                let sums = self.by_sequence.entry(rank).or_default();
                 for h in engine_hashes {
                     match held.get_mut(h) {
                         Some(entry) if entry.1[tier.index()] > 0 => {
                             entry.1[tier.index()] -= 1;
+                            add_count(sums, entry.0, tier.index(), -1);
                             outcome.removed_blocks += 1;
                             if entry.1 == [0; 3] {
                                 held.remove(h);
@@ -66,6 +85,7 @@ impl ReferenceIndex {
             KvEvent::Cleared => {
                 if let Some(held) = self.ranks.get_mut(&rank) {
                     held.clear();
+                    self.by_sequence.remove(&rank);
                     outcome.cleared_ranks += 1;
                 }
             }
@@ -75,16 +95,17 @@ impl ReferenceIndex {
 
     pub fn remove_worker(&mut self, worker_id: u64) {
         self.ranks.retain(|r, _| r.worker_id != worker_id);
+        self.by_sequence.retain(|r, _| r.worker_id != worker_id);
     }
 
-    fn holds(held: &BTreeMap<u64, (u64, [u32; 3])>, seq: u64, t: usize) -> bool {
-        held.values()
-            .any(|(s, counts)| *s == seq && counts[..=t].iter().any(|&c| c > 0))
+    fn holds(sums: &BTreeMap<u64, [u32; 3]>, seq: u64, t: usize) -> bool {
+        sums.get(&seq)
+            .is_some_and(|counts| counts[..=t].iter().any(|&c| c > 0))
     }
 
     pub fn find_matches(&self, sequence_hashes: &[u64]) -> Matches {
         let mut ranks = Vec::new();
-        for (&rank, held) in &self.ranks {
+        for (&rank, held) in &self.by_sequence {
             let mut ends = [0u32; 3];
             for (t, end) in ends.iter_mut().enumerate() {
                 *end = sequence_hashes

@@ -140,6 +140,7 @@ impl RadixIndex {
         let Some(slot) = self.slot_of.remove(&rank) else {
             return 0;
         };
+        self.rank_order.retain(|&(_, s)| s != slot);
         let held = self.slots[slot as usize].blocks.len() - self.slots[slot as usize].stale;
         self.clear_slot(slot);
         let rank_slot = &mut self.slots[slot as usize];

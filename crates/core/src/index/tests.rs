@@ -37,6 +37,28 @@ fn sorted(mut m: Matches) -> Vec<RankOverlap> {
 }
 
 #[test]
+fn answers_come_in_rank_order_whatever_order_ranks_appeared_in() {
+    // Few holders (a list walk) and many (a dense walk over 300 slots).
+    for ranks in [5u64, 300] {
+        let mut index = RadixIndex::default();
+        for w in (0..ranks).rev() {
+            index.apply(rank(w, 0), &stored(None, &[(10, 1), (11, 2)], Tier::Device));
+        }
+        // One rank leaves and comes back under a reused slot.
+        index.remove_rank(rank(2, 0));
+        index.apply(rank(2, 0), &stored(None, &[(10, 1)], Tier::Device));
+        let m = index.find_matches(&seq(&[1, 2]));
+        assert_eq!(m.ranks.len() as u64, ranks);
+        assert!(
+            m.ranks.windows(2).all(|w| w[0].rank < w[1].rank),
+            "{ranks} ranks: not in rank order"
+        );
+        assert_eq!(m.get(rank(2, 0)).map(|r| r.device_blocks), Some(1));
+        assert_eq!(m.get(rank(3, 0)).map(|r| r.device_blocks), Some(2));
+    }
+}
+
+#[test]
 fn overlap_is_contiguous_from_the_first_block() {
     let mut index = RadixIndex::default();
     let a = rank(1, 0);

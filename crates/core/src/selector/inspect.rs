@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::event::Rank;
+use crate::index::RankOverlap;
 use crate::load::RankLoad;
 use crate::schedule::Overrides;
 
@@ -25,6 +26,26 @@ impl Selector {
                 events: p.index.dump(),
             })
             .collect()
+    }
+
+    /// The index walk of a select alone: every rank of the partition with a non-zero overlap with
+    /// a prompt given by its sequence hashes, in rank order (what `select` scores). For
+    /// `kvroute bench index`, which times the walk without the scoring. `None` when the
+    /// partition has no index.
+    pub fn index_overlaps(
+        &self,
+        partition: &PartitionKey,
+        sequence_hashes: &[u64],
+    ) -> Option<Vec<RankOverlap>> {
+        let p = self.partitions.get(partition)?;
+        Some(p.index.find_matches(sequence_hashes).ranks)
+    }
+
+    /// Estimated bytes of a partition's index ([`crate::index::RadixIndex::memory_bytes`]).
+    pub fn index_memory_bytes(&self, partition: &PartitionKey) -> Option<usize> {
+        self.partitions
+            .get(partition)
+            .map(|p| p.index.memory_bytes())
     }
 
     /// Indexed blocks and `(block, rank)` pairs per partition (for metrics).

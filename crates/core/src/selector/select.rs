@@ -178,8 +178,9 @@ impl Selector {
     }
 
     pub(super) fn overlaps(p: &Partition, hashes: &PromptHashes) -> Overlaps {
-        let mut ranks = p.index.find_matches(&hashes.sequence).ranks;
-        ranks.sort_unstable_by_key(|o| o.rank);
+        // The index answers in rank order, which `Overlaps::get` searches.
+        let ranks = p.index.find_matches(&hashes.sequence).ranks;
+        debug_assert!(ranks.is_sorted_by_key(|o| o.rank));
         Overlaps(ranks)
     }
 
