@@ -283,6 +283,12 @@ fn tokens_from_bytes(bytes: &[u8], layout: ItemLayout) -> Result<Vec<u32>, Strin
                 .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                 .collect())
         }
+        // The common form (array('I'), numpy uint32 on this machine): the raw bytes' reading.
+        ItemLayout::Int {
+            size: 4,
+            signed: false,
+            little_endian: true,
+        } => tokens_from_bytes(bytes, ItemLayout::RawLittleEndianU32),
         ItemLayout::Int {
             size,
             signed,
@@ -292,12 +298,9 @@ fn tokens_from_bytes(bytes: &[u8], layout: ItemLayout) -> Result<Vec<u32>, Strin
             for (i, chunk) in bytes.chunks_exact(size).enumerate() {
                 let mut raw = [0u8; 8];
                 // Widen to 8 bytes in little-endian order, sign-extending signed items.
-                if little_endian {
-                    raw[..size].copy_from_slice(chunk);
-                } else {
-                    for (j, b) in chunk.iter().rev().enumerate() {
-                        raw[j] = *b;
-                    }
+                raw[..size].copy_from_slice(chunk);
+                if !little_endian {
+                    raw[..size].reverse();
                 }
                 if signed && raw[size - 1] & 0x80 != 0 {
                     raw[size..].fill(0xff);
