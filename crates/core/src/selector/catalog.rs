@@ -297,6 +297,20 @@ impl Selector {
         Ok((p, workers))
     }
 
+    /// The partition, when it has a schedulable worker (the error of
+    /// [`schedulable_workers`](Self::schedulable_workers) otherwise), without listing them all.
+    pub(super) fn schedulable_partition(
+        &self,
+        partition: &PartitionKey,
+    ) -> Result<&Partition, Error> {
+        self.partitions
+            .get(partition)
+            .filter(|p| self.schedulable_in(p).next().is_some())
+            .ok_or_else(|| Error::NoSchedulableWorkers {
+                partition: partition.clone(),
+            })
+    }
+
     /// The partition's schedulable workers, in the order [`schedulable_workers`] lists them.
     ///
     /// [`schedulable_workers`]: Self::schedulable_workers
