@@ -38,6 +38,9 @@ def main():
     rss_before = rss_kib(args.pid)
     conn = http.client.HTTPConnection("127.0.0.1", args.port, timeout=30)
     samples = []
+    # A server may close a keep-alive connection after some requests (Dynamo's did, past a
+    # thousand): the upsert is idempotent, so it is sent again on a new connection.
+    reconnects = 0
     start = time.perf_counter()
     for worker_id in range(args.first, args.last + 1):
         body = json.dumps({
@@ -46,10 +49,19 @@ def main():
             "block_size": 64,
             "kv_events_endpoint": f"tcp://127.0.0.1:{args.events_base + worker_id}",
         })
-        t0 = time.perf_counter()
-        conn.request("POST", "/workers", body, {"Content-Type": "application/json"})
-        reply = conn.getresponse()
-        data = reply.read()
+        for attempt in range(3):
+            t0 = time.perf_counter()
+            try:
+                conn.request("POST", "/workers", body, {"Content-Type": "application/json"})
+                reply = conn.getresponse()
+                data = reply.read()
+                break
+            except (ConnectionError, http.client.HTTPException):
+                if attempt == 2:
+                    raise
+                conn.close()
+                conn = http.client.HTTPConnection("127.0.0.1", args.port, timeout=30)
+                reconnects += 1
         samples.append((time.perf_counter() - t0) * 1e6)
         if reply.status not in (200, 201):
             raise SystemExit(f"registering worker {worker_id}: {reply.status} {data[:200]!r}")
@@ -61,6 +73,7 @@ def main():
     added = args.last - args.first + 1
     out = {
         "workers_added": added,
+        "reconnects": reconnects,
         "registration_s": elapsed,
         "registrations_per_s": added / elapsed if elapsed > 0 else 0,
         "registration_p50_us": samples[len(samples) // 2] if samples else 0,

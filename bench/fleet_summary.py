@@ -7,7 +7,7 @@ Reads the load generator's runs labelled `<server>-<mode>-rfleet-<iso|shared>-<W
 registrations `fleet/<server>-register-<W>.json` (bench/fleet_register.py) and the in-process
 run `fleet/inprocess.json` (bench/inprocess.py); writes OUT.json and OUT.md and prints the table.
 """
-import argparse, json, os
+import argparse, json, os, re
 
 p = argparse.ArgumentParser()
 p.add_argument("--dir", required=True)
@@ -32,6 +32,16 @@ def run(server, mode, placement, w):
     m = r["routes"]["select"] if mode == "select" else r["cycles"]
     return {"rps": m["rps"], "p50_us": m["p50_us"], "p99_us": m["p99_us"],
             "errors": r.get("errors", 0), "server_cpu_s": r.get("server_cpu_s")}
+
+
+def plain(text):
+    """A log excerpt without its terminal colours."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", text).strip()
+
+
+def mib(registration):
+    kib = registration.get("rss_after_kib")
+    return None if kib is None else kib / 1024
 
 
 def ratio(x, y):
@@ -67,7 +77,7 @@ for placement, title in (("iso", "load generator on its own core (the configurat
                   "| W | kvroute /select/s | p99 µs | Dynamo /select/s | p99 µs | throughput × | p99 ratio | kvroute cycles/s | Dynamo cycles/s | × | kvroute cycle p99 µs | Dynamo cycle p99 µs |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *rows, ""]
 
-reg_rows = []
+reg_rows, failures = [], []
 for w in workers:
     k = load(os.path.join(a.dir, "fleet", f"kvroute-register-{w}.json"))
     d = load(os.path.join(a.dir, "fleet", f"dynamo-register-{w}.json"))
@@ -75,14 +85,19 @@ for w in workers:
         continue
     k, d = k or {}, d or {}
     out.setdefault("registration", []).append({"workers": w, "kvroute": k, "dynamo": d})
+    for name, r in (("kvroute", k), ("dynamo", d)):
+        if "failed_at" in r:
+            failures.append(f"- {name} failed registering up to {w:,} workers "
+                            f"({'still answering' if r['alive'] else 'process gone'}): "
+                            f"`{plain(r['log'])[-200:]}`")
     reg_rows.append(
         f"| {w:,} | {f(k.get('workers_added'))} | {f(k.get('registrations_per_s'))} | {f(d.get('registrations_per_s'))} "
-        f"| {f(k.get('rss_after_kib', 0) / 1024, ',.1f')} | {f(d.get('rss_after_kib', 0) / 1024, ',.1f')} "
+        f"| {f(mib(k), ',.1f')} | {f(mib(d), ',.1f')} "
         f"| {f(k.get('rss_per_worker_kib'), ',.1f')} | {f(d.get('rss_per_worker_kib'), ',.1f')} |")
 if reg_rows:
     lines += ["**Registration and memory** (one keep-alive client; RSS after the listeners settle):", "",
               "| W | workers added | kvroute registrations/s | Dynamo | kvroute RSS MiB | Dynamo RSS MiB | kvroute KiB per added worker | Dynamo |",
-              "|---:|---:|---:|---:|---:|---:|---:|---:|", *reg_rows, ""]
+              "|---:|---:|---:|---:|---:|---:|---:|---:|", *reg_rows, "", *failures, ""]
 
 inproc = load(os.path.join(a.dir, "fleet", "inprocess.json"))
 if inproc:

@@ -117,7 +117,7 @@ async def main():
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--trace")
-    ap.add_argument("--events-base", type=int, default=46000)
+    ap.add_argument("--events-base", type=int, default=28000)
     ap.add_argument("--out")
     args = ap.parse_args()
 

@@ -52,10 +52,12 @@ FLEET_ONLY="${FLEET_ONLY:-0}"
 FLEET_WORKERS="${FLEET_WORKERS:-64 1000 4000}"
 FLEET_DURATION="${FLEET_DURATION:-5}"
 INPROCESS_SECONDS="${INPROCESS_SECONDS:-3}"
-# Fleet engines' ports: base + worker id, up to 4,000 each, clear of the bases below.
-FLEET_DYN_EVENTS_BASE=36000
-FLEET_KV_EVENTS_BASE=41000
-INPROCESS_EVENTS_BASE=46000
+# Fleet engines' ports: base + worker id, up to 4,000 each, clear of the bases below and of
+# Linux's ephemeral range (from 32768), where the servers' thousands of outgoing KV-event
+# connections take their local ports.
+FLEET_DYN_EVENTS_BASE=20000
+FLEET_KV_EVENTS_BASE=24000
+INPROCESS_EVENTS_BASE=28000
 DYN_PORT=18081
 KV_PORT=18082
 # Each server subscribes only to its own fake engines: otherwise the idle server would ingest the
@@ -232,7 +234,13 @@ print(",".join(map(str, cpus[:half])) or "-", ",".join(map(str, cpus[half:])))
 PY
 )
 # Every thread of both servers (-a); threads they start later inherit it.
-pin_servers() { for pid in "$DYN_PID" "$KV_PID"; do taskset -a -p -c "$1" "$pid" >/dev/null; done; }
+# A server that died (see the fleet phase) is skipped.
+pin_servers() {
+  for pid in "$DYN_PID" "$KV_PID"; do
+    [ -d "/proc/$pid" ] && taskset -a -p -c "$1" "$pid" >/dev/null
+  done
+  return 0
+}
 
 # Everything up to the fleet phase (FLEET_ONLY=1 skips it).
 if [ "$FLEET_ONLY" != 1 ]; then
@@ -341,16 +349,27 @@ fi # FLEET_ONLY
 # published. Per W: registration (latency and resident memory per worker added), then /select
 # and the cycle with C connections, isolated first (the configuration the targets count), then
 # shared, A B / B A by mode.
+# A server that fails to register a point's workers (Dynamo 1.6.1 aborts near 2,000 workers
+# with KV-event endpoints when its process may open 20,000 files: libzmq's "Too many open
+# files") is recorded as failed at that W and left out from then on.
 if [ "$FLEET" = 1 ]; then
   mkdir -p "$workdir/fleet"
   registered=0
+  declare -A failed=()
   for W in $FLEET_WORKERS; do
     say "fleet W=$W: registering workers $((registered + 1))..$W on each server"
     for name in dynamo kvroute; do
-      port=$KV_PORT pid=$KV_PID base=$FLEET_KV_EVENTS_BASE
-      [ "$name" = dynamo ] && port=$DYN_PORT pid=$DYN_PID base=$FLEET_DYN_EVENTS_BASE
-      in_ns python3 "$here/fleet_register.py" --port "$port" --from $((registered + 1)) --to "$W" \
-        --events-base "$base" --pid "$pid" --out "$workdir/fleet/$name-register-$W.json"
+      [ -n "${failed[$name]:-}" ] && continue
+      port=$KV_PORT pid=$KV_PID base=$FLEET_KV_EVENTS_BASE log=$workdir/kvroute.log
+      [ "$name" = dynamo ] && port=$DYN_PORT pid=$DYN_PID base=$FLEET_DYN_EVENTS_BASE log=$workdir/dynamo.log
+      if ! in_ns python3 "$here/fleet_register.py" --port "$port" --from $((registered + 1)) --to "$W" \
+        --events-base "$base" --pid "$pid" --out "$workdir/fleet/$name-register-$W.json" 2>/dev/null; then
+        failed[$name]=$W
+        reason=$(grep -v "Selected worker" "$log" | tail -n 3 | cut -c1-300 | tr '\n' ' ')
+        echo "   $name failed registering up to $W workers (alive: $([ -d "/proc/$pid" ] && echo yes || echo no)): $reason"
+        python3 -c 'import json, sys; json.dump({"failed_at": int(sys.argv[1]), "alive": sys.argv[2] == "yes", "log": sys.argv[3]}, open(sys.argv[4], "w"))' \
+          "$W" "$([ -d "/proc/$pid" ] && echo yes || echo no)" "$reason" "$workdir/fleet/$name-register-$W.json"
+      fi
     done
     registered=$W
     for placement in iso shared; do
@@ -367,6 +386,7 @@ if [ "$FLEET" = 1 ]; then
         order="dynamo kvroute"
         [ "$mode" = cycle ] && order="kvroute dynamo"
         for name in $order; do
+          [ -n "${failed[$name]:-}" ] && continue
           port=$KV_PORT; [ "$name" = dynamo ] && port=$DYN_PORT
           loadgen_cpus="$cpus" WORKERS=$W DURATION=$FLEET_DURATION \
             KV_EVENTS_BASE=$FLEET_KV_EVENTS_BASE DYN_EVENTS_BASE=$FLEET_DYN_EVENTS_BASE \
