@@ -271,7 +271,7 @@ fn item_layout(format: &str, itemsize: usize) -> Option<ItemLayout> {
 fn tokens_from_bytes(bytes: &[u8], layout: ItemLayout) -> Result<Vec<u32>, String> {
     match layout {
         ItemLayout::RawLittleEndianU32 => {
-            if bytes.len() % 4 != 0 {
+            if !bytes.len().is_multiple_of(4) {
                 return Err(format!(
                     "token_ids: {} bytes are not a whole number of little-endian u32 token ids \
                      (4 bytes each)",
