@@ -5,6 +5,8 @@
 #   bench/side_by_side.sh   # ROUNDS=3 DURATION=12 WARMUP=8 STORM_DURATION=10 WORKERS=64 CONCURRENCY=32
 #   INGEST_FREE=1 bench/side_by_side.sh   # also a cycle run per server without KV-event ingest
 #   ISOLATED=0 bench/side_by_side.sh      # without the cycle rounds on separate cores
+#   FLEET_ONLY=1 bench/side_by_side.sh    # only the fleet phase ("Select by W", below)
+#   FLEET=0 bench/side_by_side.sh         # without it
 #
 # Dynamo's service binds 0.0.0.0 with no option to change it, so both servers and the load
 # generator run inside a network namespace whose only interface is loopback (needs root). The
@@ -41,6 +43,21 @@ KVROUTE_PROFILE="${KVROUTE_PROFILE:-dynamo}"
 # Niceness of the fake engines' thread in the load generator: 19 stands in for engines on other
 # hosts (their publishing uses only CPU the servers and clients leave); 0 makes them compete.
 ENGINE_NICE="${ENGINE_NICE:-19}"
+# The fleet phase: registration, /select and the cycle at each of FLEET_WORKERS registered
+# workers (one partition), isolated (the load generator on cores of its own) and shared, each
+# run FLEET_DURATION seconds; then both services in process from Python (bench/inprocess.py).
+# 5 s runs keep the phase near 5 min on 2 cores, the whole script near 15.
+FLEET="${FLEET:-1}"
+FLEET_ONLY="${FLEET_ONLY:-0}"
+FLEET_WORKERS="${FLEET_WORKERS:-64 1000 4000}"
+FLEET_DURATION="${FLEET_DURATION:-5}"
+INPROCESS_SECONDS="${INPROCESS_SECONDS:-3}"
+# Fleet engines' ports: base + worker id, up to 4,000 each, clear of the bases below and of
+# Linux's ephemeral range (from 32768), where the servers' thousands of outgoing KV-event
+# connections take their local ports.
+FLEET_DYN_EVENTS_BASE=20000
+FLEET_KV_EVENTS_BASE=24000
+INPROCESS_EVENTS_BASE=28000
 DYN_PORT=18081
 KV_PORT=18082
 # Each server subscribes only to its own fake engines: otherwise the idle server would ingest the
@@ -72,6 +89,16 @@ kvroute="$repo/target/release/kvroute"
 if ! wait "$pip_pid"; then
   echo "installing ai-dynamo-runtime==$DYNAMO_VERSION failed" >&2
   exit 1
+fi
+if [ "$FLEET" = 1 ]; then
+  # kvroute's Python binding next to Dynamo's, for the in-process comparison. Its own target
+  # dir: maturin's PYO3 environment would otherwise rebuild the binary's dependencies.
+  say "building the kvroute wheel (release) into $venv"
+  "$venv/bin/pip" install -q maturin
+  rm -rf "$workdir/wheels"
+  CARGO_TARGET_DIR="$repo/target/py-release" "$venv/bin/maturin" build --release --locked -q \
+    --manifest-path "$repo/crates/py/Cargo.toml" --out "$workdir/wheels"
+  "$venv/bin/pip" install -q --force-reinstall --no-deps "$workdir"/wheels/kvroute-*.whl
 fi
 
 pids=()
@@ -195,6 +222,28 @@ PY
   echo "   $(elapsed) $name $mode round $round done"
 }
 
+allowed=$(awk '/^Cpus_allowed_list/ {print $2}' /proc/self/status)
+read -r loadgen_half server_half < <(python3 - "$allowed" <<'PY'
+import sys
+cpus = []
+for part in sys.argv[1].split(","):
+    lo, _, hi = part.partition("-")
+    cpus += range(int(lo), int(hi or lo) + 1)
+half = len(cpus) // 2
+print(",".join(map(str, cpus[:half])) or "-", ",".join(map(str, cpus[half:])))
+PY
+)
+# Every thread of both servers (-a); threads they start later inherit it.
+# A server that died (see the fleet phase) is skipped.
+pin_servers() {
+  for pid in "$DYN_PID" "$KV_PID"; do
+    [ -d "/proc/$pid" ] && taskset -a -p -c "$1" "$pid" >/dev/null
+  done
+  return 0
+}
+
+# Everything up to the fleet phase (FLEET_ONLY=1 skips it).
+if [ "$FLEET_ONLY" != 1 ]; then
 # Warm-up: a cycle run per server before the measured rounds, so that round 1, like every later
 # round, meets servers whose indexes already hold what earlier engines published.
 say "warming up: ${WARMUP}s of cycles per server"
@@ -224,21 +273,8 @@ done
 # whichever server is measured, which compresses the ratio of two CPU-bound servers towards 1.
 # Each server gets the same cores here; on 2 cores, one each. The halves are of the CPUs this
 # script may use (a container's cpuset need not start at 0).
-allowed=$(awk '/^Cpus_allowed_list/ {print $2}' /proc/self/status)
-read -r loadgen_half server_half < <(python3 - "$allowed" <<'PY'
-import sys
-cpus = []
-for part in sys.argv[1].split(","):
-    lo, _, hi = part.partition("-")
-    cpus += range(int(lo), int(hi or lo) + 1)
-half = len(cpus) // 2
-print(",".join(map(str, cpus[:half])) or "-", ",".join(map(str, cpus[half:])))
-PY
-)
 if [ "$ISOLATED" = 1 ] && [ "$loadgen_half" != - ]; then
   say "$ROUNDS isolated cycle rounds of ${ISO_DURATION}s: servers on CPUs $server_half, load generator on CPUs $loadgen_half"
-  # Every thread of both servers (-a); threads they start later inherit it.
-  pin_servers() { for pid in "$DYN_PID" "$KV_PID"; do taskset -a -p -c "$1" "$pid" >/dev/null; done; }
   pin_servers "$server_half"
   for round in $(seq 1 "$ROUNDS"); do
     if [ $((round % 2)) = 1 ]; then
@@ -306,6 +342,72 @@ drain
 DURATION=$STORM_DURATION run kvroute "$KV_PORT" select quiet-colocated 0
 # The same storm with the publishers competing for this machine's two cores like any process.
 engine_nice=0 storm_run storm-colocated
+fi # FLEET_ONLY
+
+# Select by W: the same servers with more and more workers registered (ids 1..=W, one
+# partition, each with its own fake engine), so each point's index holds what the earlier ones
+# published. Per W: registration (latency and resident memory per worker added), then /select
+# and the cycle with C connections, isolated first (the configuration the targets count), then
+# shared, A B / B A by mode.
+# A server that fails to register a point's workers (Dynamo 1.6.1 aborts near 2,000 workers
+# with KV-event endpoints when its process may open 20,000 files: libzmq's "Too many open
+# files") is recorded as failed at that W and left out from then on.
+if [ "$FLEET" = 1 ]; then
+  mkdir -p "$workdir/fleet"
+  registered=0
+  declare -A failed=()
+  for W in $FLEET_WORKERS; do
+    say "fleet W=$W: registering workers $((registered + 1))..$W on each server"
+    for name in dynamo kvroute; do
+      [ -n "${failed[$name]:-}" ] && continue
+      port=$KV_PORT pid=$KV_PID base=$FLEET_KV_EVENTS_BASE log=$workdir/kvroute.log
+      [ "$name" = dynamo ] && port=$DYN_PORT pid=$DYN_PID base=$FLEET_DYN_EVENTS_BASE log=$workdir/dynamo.log
+      if ! in_ns python3 "$here/fleet_register.py" --port "$port" --from $((registered + 1)) --to "$W" \
+        --events-base "$base" --pid "$pid" --out "$workdir/fleet/$name-register-$W.json" 2>/dev/null; then
+        failed[$name]=$W
+        reason=$(grep -v "Selected worker" "$log" | tail -n 3 | cut -c1-300 | tr '\n' ' ')
+        echo "   $name failed registering up to $W workers (alive: $([ -d "/proc/$pid" ] && echo yes || echo no)): $reason"
+        python3 -c 'import json, sys; json.dump({"failed_at": int(sys.argv[1]), "alive": sys.argv[2] == "yes", "log": sys.argv[3]}, open(sys.argv[4], "w"))' \
+          "$W" "$([ -d "/proc/$pid" ] && echo yes || echo no)" "$reason" "$workdir/fleet/$name-register-$W.json"
+      fi
+    done
+    registered=$W
+    for placement in iso shared; do
+      cpus=""
+      if [ "$placement" = iso ] && [ "$loadgen_half" != - ]; then
+        pin_servers "$server_half"
+        cpus=$loadgen_half
+      else
+        pin_servers "$allowed"
+        if [ "$placement" = iso ]; then continue; fi
+      fi
+      say "fleet W=$W, $placement: /select and cycle runs of ${FLEET_DURATION}s per server"
+      for mode in select cycle; do
+        order="dynamo kvroute"
+        [ "$mode" = cycle ] && order="kvroute dynamo"
+        for name in $order; do
+          [ -n "${failed[$name]:-}" ] && continue
+          port=$KV_PORT; [ "$name" = dynamo ] && port=$DYN_PORT
+          loadgen_cpus="$cpus" WORKERS=$W DURATION=$FLEET_DURATION \
+            KV_EVENTS_BASE=$FLEET_KV_EVENTS_BASE DYN_EVENTS_BASE=$FLEET_DYN_EVENTS_BASE \
+            run "$name" "$port" "$mode" "fleet-$placement-$W" 0
+        done
+      done
+    done
+  done
+  pin_servers "$allowed"
+  say "in process from Python: kvroute.SelectionService vs dynamo.llm.SelectionService"
+  inprocess_trace=()
+  [ -f "$TRACE" ] && inprocess_trace=(--trace "$TRACE")
+  in_ns "$venv/bin/python" "$here/inprocess.py" --workers 64 --tokens 8192 \
+    --seconds "$INPROCESS_SECONDS" --rounds 3 --events-base "$INPROCESS_EVENTS_BASE" \
+    "${inprocess_trace[@]}" --out "$workdir/fleet/inprocess.json"
+  fleet_out="$here/results/fleet-$stamp"
+  python3 "$here/fleet_summary.py" --dir "$workdir" --workers "$FLEET_WORKERS" \
+    --concurrency "$CONCURRENCY" --out "$fleet_out"
+  say "wrote $fleet_out.json and $fleet_out.md"
+fi
+[ "$FLEET_ONLY" = 1 ] && { say "done"; exit 0; }
 
 out="$here/results/$stamp.json"
 # The measured code: the commit, marked -dirty when the work tree's code differs from it.

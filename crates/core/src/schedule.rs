@@ -470,18 +470,25 @@ pub fn pick(costs: &[f64], temperature: f64, rng: &mut impl Rng) -> usize {
         // All costs equal: every rank is a tie.
     }
     let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
-    // Reservoir sampling over the exact ties: uniform without collecting them.
-    let mut chosen = 0;
-    let mut ties = 0u32;
-    for (i, &c) in costs.iter().enumerate() {
-        if c == min {
-            ties += 1;
-            if rng.random_range(0..ties) == 0 {
-                chosen = i;
-            }
-        }
+    let ties = costs.iter().filter(|&&c| c == min).count();
+    let k = tie_index(ties, rng);
+    costs
+        .iter()
+        .enumerate()
+        .filter(|&(_, &c)| c == min)
+        .nth(k)
+        .map_or(0, |(i, _)| i)
+}
+
+/// Which of `ties` equally cheap candidates (in candidate order) the lowest-cost pick takes:
+/// uniform, one draw, and none for a single one. One draw whatever their number lets a select
+/// that knows how many ranks tie without listing them (`selector/fleet.rs`) pick the same rank
+/// from the same random source as the full scan.
+pub fn tie_index(ties: usize, rng: &mut impl Rng) -> usize {
+    if ties <= 1 {
+        return 0;
     }
-    chosen
+    rng.random_range(0..ties)
 }
 
 #[cfg(test)]

@@ -1,6 +1,8 @@
 """Per-call cost of SelectionService.select from Python: N awaited selects (one at a time) of a
 1,024-token prompt against 16 workers with block size 16, half of which hold part of the prompt.
 Also the same with the prompt pre-hashed, and N selects issued concurrently (asyncio.gather).
+Then an 8,192-token prompt against 64 workers (block size 64) with `token_ids` in each form:
+list, `array('I')`, `bytes`, numpy `uint32` (when numpy is installed).
 
     python crates/py/bench/select_overhead.py [N]
 
@@ -9,6 +11,7 @@ Prints µs per call; compare with the Rust figure printed by
 
 from __future__ import annotations
 
+import array
 import asyncio
 import statistics
 import sys
@@ -71,6 +74,33 @@ async def main(n):
     for _ in range(n):
         kvroute.block_hashes(prompt, BLOCK)
     print(f"block_hashes ({TOKENS} tokens): {(time.perf_counter() - start) / n * 1e6:.1f} us per call")
+    svc.shutdown()
+    await token_forms(n)
+
+
+async def token_forms(n):
+    svc = kvroute.SelectionService()
+    for w in range(64):
+        await svc.upsert_worker({"worker_id": w, "endpoint": f"http://worker-{w}:8000", "block_size": 64})
+    prompt = [(t * 2_654_435_761) % 150_000 for t in range(8192)]
+    forms = {
+        "list": prompt,
+        "array('I')": array.array("I", prompt),
+        "bytes (LE u32)": array.array("I", prompt).tobytes(),
+    }
+    try:
+        import numpy as np
+
+        forms["numpy uint32"] = np.asarray(prompt, dtype=np.uint32)
+        forms["numpy int64"] = np.asarray(prompt, dtype=np.int64)
+    except ImportError:
+        pass
+    for name, tokens in forms.items():
+        request = {"token_ids": tokens}
+        await sequential(svc, request, n // 10)  # warm-up
+        mean, p50, p99 = await sequential(svc, request, n)
+        print(f"awaited select, 8192 tokens as {name:15} (64 workers): "
+              f"mean {mean:.1f} us, p50 {p50:.1f} us, p99 {p99:.1f} us per call")
     svc.shutdown()
 
 

@@ -8,7 +8,9 @@
 use kvroute_service::http::types::{PromptRouteBody, ReservationBody, SelectBody};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{
+    PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMemoryView, PyString, PyTuple,
+};
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Number, Value};
 
@@ -222,8 +224,148 @@ fn plain_tokens(list: &Bound<'_, PyList>) -> Option<Vec<u32>> {
     Some(tokens)
 }
 
+/// How a buffer's items are read as token ids.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ItemLayout {
+    /// Raw bytes (`bytes`, `bytearray`, a byte memoryview): little-endian `u32`s, 4 bytes each.
+    RawLittleEndianU32,
+    /// Integers of `size` (4 or 8) bytes, each checked to lie in `0..=u32::MAX`.
+    Int {
+        size: usize,
+        signed: bool,
+        little_endian: bool,
+    },
+}
+
+/// The layout of a buffer's items from its `struct` format string and item size; `None` for
+/// anything that is not one of the accepted forms (floats, 2-byte integers, records, ...).
+fn item_layout(format: &str, itemsize: usize) -> Option<ItemLayout> {
+    let (order, code) = match format.as_bytes() {
+        [code] => (b'@', *code),
+        [order @ (b'@' | b'=' | b'<' | b'>' | b'!'), code] => (*order, *code),
+        _ => return None,
+    };
+    let little_endian = match order {
+        b'<' => true,
+        b'>' | b'!' => false,
+        _ => cfg!(target_endian = "little"),
+    };
+    match (code, itemsize) {
+        (b'B' | b'c', 1) => Some(ItemLayout::RawLittleEndianU32),
+        (b'I' | b'L' | b'Q' | b'N', 4 | 8) => Some(ItemLayout::Int {
+            size: itemsize,
+            signed: false,
+            little_endian,
+        }),
+        (b'i' | b'l' | b'q' | b'n', 4 | 8) => Some(ItemLayout::Int {
+            size: itemsize,
+            signed: true,
+            little_endian,
+        }),
+        _ => None,
+    }
+}
+
+/// Token ids out of a buffer's bytes (C order), without a Python object per item. The error
+/// names the first offending item as `token_ids[i]`.
+fn tokens_from_bytes(bytes: &[u8], layout: ItemLayout) -> Result<Vec<u32>, String> {
+    match layout {
+        ItemLayout::RawLittleEndianU32 => {
+            if !bytes.len().is_multiple_of(4) {
+                return Err(format!(
+                    "token_ids: {} bytes are not a whole number of little-endian u32 token ids \
+                     (4 bytes each)",
+                    bytes.len()
+                ));
+            }
+            Ok(bytes
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect())
+        }
+        // The common form (array('I'), numpy uint32 on this machine): the raw bytes' reading.
+        ItemLayout::Int {
+            size: 4,
+            signed: false,
+            little_endian: true,
+        } => tokens_from_bytes(bytes, ItemLayout::RawLittleEndianU32),
+        ItemLayout::Int {
+            size,
+            signed,
+            little_endian,
+        } => {
+            let mut tokens = Vec::with_capacity(bytes.len() / size);
+            for (i, chunk) in bytes.chunks_exact(size).enumerate() {
+                let mut raw = [0u8; 8];
+                // Widen to 8 bytes in little-endian order, sign-extending signed items.
+                raw[..size].copy_from_slice(chunk);
+                if !little_endian {
+                    raw[..size].reverse();
+                }
+                if signed && raw[size - 1] & 0x80 != 0 {
+                    raw[size..].fill(0xff);
+                }
+                let value = if signed {
+                    i128::from(i64::from_le_bytes(raw))
+                } else {
+                    i128::from(u64::from_le_bytes(raw))
+                };
+                let token = u32::try_from(value).map_err(|_| {
+                    format!(
+                        "token_ids[{i}]: {value} is not a token id (0 to {})",
+                        u32::MAX
+                    )
+                })?;
+                tokens.push(token);
+            }
+            Ok(tokens)
+        }
+    }
+}
+
+/// `token_ids` given as any object with the buffer protocol (`array('I')`, a numpy array,
+/// `bytes`, `memoryview`): `Ok(None)` when `value` has no buffer (the general path handles it),
+/// an error naming `token_ids` for a buffer of a form not accepted.
+///
+/// The limited API of Python 3.9 (this wheel's abi3 floor) has no buffer calls, so the buffer is
+/// read through a `memoryview`: its format and item size, then one copy of its bytes in C order
+/// (`tobytes`), a memcpy, instead of one Python int per item.
+fn buffer_tokens(value: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u32>>> {
+    // `bytes` is read in place: no memoryview, no copy.
+    if let Ok(bytes) = value.cast::<PyBytes>() {
+        return tokens_from_bytes(bytes.as_bytes(), ItemLayout::RawLittleEndianU32)
+            .map(Some)
+            .map_err(PyValueError::new_err);
+    }
+    let Ok(view) = PyMemoryView::from(value) else {
+        return Ok(None);
+    };
+    let py = value.py();
+    let ndim: usize = view.getattr(pyo3::intern!(py, "ndim"))?.extract()?;
+    let format: String = view.getattr(pyo3::intern!(py, "format"))?.extract()?;
+    let itemsize: usize = view.getattr(pyo3::intern!(py, "itemsize"))?.extract()?;
+    if ndim != 1 {
+        return Err(PyValueError::new_err(format!(
+            "token_ids: a buffer of token ids must be one-dimensional, got {ndim} dimensions"
+        )));
+    }
+    let Some(layout) = item_layout(&format, itemsize) else {
+        return Err(PyTypeError::new_err(format!(
+            "token_ids: a buffer of format '{format}' ({itemsize}-byte items) is not accepted; \
+             give 4- or 8-byte integers (array('I'), numpy uint32 or int64) or bytes of \
+             little-endian u32"
+        )));
+    };
+    let bytes = view.call_method0(pyo3::intern!(py, "tobytes"))?;
+    let bytes = bytes.cast::<PyBytes>()?;
+    tokens_from_bytes(bytes.as_bytes(), layout)
+        .map(Some)
+        .map_err(PyValueError::new_err)
+}
+
 /// [`body`] for a prompt route. A prompt is mostly `token_ids`; reading them directly instead of
 /// through JSON values is several times faster and accepts and rejects exactly the same lists.
+/// `token_ids` may also be a buffer ([`buffer_tokens`]), the fastest form.
 pub fn prompt_body<T: DeserializeOwned + TokenBody>(
     obj: &Bound<'_, PyAny>,
     what: &str,
@@ -235,7 +377,7 @@ pub fn prompt_body<T: DeserializeOwned + TokenBody>(
     let tokens = match dict.get_item(key)? {
         Some(value) => match value.cast::<PyList>() {
             Ok(list) => plain_tokens(list),
-            Err(_) => None,
+            Err(_) => buffer_tokens(&value)?,
         },
         None => None,
     };

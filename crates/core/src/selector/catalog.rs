@@ -137,6 +137,7 @@ impl Selector {
         check_id("routing_group", &spec.routing_group)?;
         // Bookings queued before the change predict on the worker as it was.
         self.settle_predictions();
+        self.catalog_version += 1;
         let reasons = self.reasons_for(&spec);
         let lifecycle = if reasons.is_empty() {
             Lifecycle::Schedulable
@@ -227,6 +228,7 @@ impl Selector {
         let Some(mut record) = self.workers.remove(&worker_id) else {
             return Err(Error::WorkerNotFound { worker_id });
         };
+        self.catalog_version += 1;
         self.forget_worker_predictions(worker_id);
         self.forget_engine_loads(worker_id, 0..0);
         let freed = exclusive(&mut self.load).free_worker(worker_id);
@@ -293,6 +295,20 @@ impl Selector {
             return Err(no_workers());
         }
         Ok((p, workers))
+    }
+
+    /// The partition, when it has a schedulable worker (the error of
+    /// [`schedulable_workers`](Self::schedulable_workers) otherwise), without listing them all.
+    pub(super) fn schedulable_partition(
+        &self,
+        partition: &PartitionKey,
+    ) -> Result<&Partition, Error> {
+        self.partitions
+            .get(partition)
+            .filter(|p| self.schedulable_in(p).next().is_some())
+            .ok_or_else(|| Error::NoSchedulableWorkers {
+                partition: partition.clone(),
+            })
     }
 
     /// The partition's schedulable workers, in the order [`schedulable_workers`] lists them.

@@ -65,6 +65,7 @@ mod constraints;
 mod disagg;
 mod engine_load;
 mod events;
+mod fleet;
 mod inspect;
 mod predict;
 mod reservations;
@@ -191,6 +192,10 @@ pub struct Selector {
     /// This replica's id among replicas sharing bookings, and its place among the live ones
     /// (`sync.rs`).
     replica: Option<(String, Option<ReplicaSpread>)>,
+    /// Bumped by every catalog change; the rank orders (`fleet.rs`) are rebuilt after one.
+    catalog_version: u64,
+    /// Each partition's ranks in candidate order, for selects that need not scan them.
+    rank_orders: Mutex<fleet::RankOrders>,
     shutting_down: bool,
 }
 
@@ -252,6 +257,8 @@ impl Selector {
             engine_loads: Mutex::new(HashMap::new()),
             engine_loads_reported: AtomicBool::new(false),
             replica: None,
+            catalog_version: 0,
+            rank_orders: Mutex::new(fleet::RankOrders::default()),
             shutting_down: false,
         }
     }

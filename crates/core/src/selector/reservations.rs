@@ -217,7 +217,7 @@ impl Selector {
                 partition: req.partition.clone(),
             });
         };
-        self.schedulable_workers(req.partition)?;
+        self.schedulable_partition(req.partition)?;
         let (record, dp_rank) =
             self.schedulable_rank(req.partition, entry.worker_id, Some(entry.dp_rank))?;
         let reservation_id = req.reservation_id.unwrap_or(selection_id).to_string();
@@ -344,7 +344,7 @@ impl Selector {
         if let (true, Some(id)) = (self.config.sessions.enabled(), req.session_id) {
             super::sessions::session_key(req.partition, id)?;
         }
-        let (p, _) = self.schedulable_workers(req.partition)?;
+        let p = self.schedulable_partition(req.partition)?;
         let (record, dp_rank) = self.schedulable_rank(req.partition, worker_id, req.dp_rank)?;
         let block_size = record.spec.block_size.unwrap_or(1);
         let hashes = prompt.hash(block_size)?;

@@ -11,7 +11,8 @@ use crate::index::RankOverlap;
 use crate::load::Booking;
 use crate::pending::PendingKey;
 use crate::schedule::{Candidate, Leg, RouterProfile, pick};
-use crate::selector::sessions;
+use crate::selector::fleet::CandidateInputs;
+use crate::selector::sessions::{self, SessionLookup};
 use std::sync::Arc;
 
 /// Ranks with a non-zero overlap, sorted by rank for lookups by binary search (cheaper than
@@ -24,6 +25,10 @@ impl Overlaps {
             .binary_search_by_key(rank, |o| o.rank)
             .ok()
             .map(|i| &self.0[i])
+    }
+
+    pub(super) fn iter(&self) -> impl Iterator<Item = &RankOverlap> {
+        self.0.iter()
     }
 }
 
@@ -45,28 +50,17 @@ impl Selector {
                     .load(std::sync::atomic::Ordering::Acquire)
             })
             .map(|now| (now, locked(&self.engine_loads)));
-        let speeds = load.speeds(expected_output_tokens);
-        let potential = load.potential_decode(&hashes.sequence, hashes.isl_tokens, block_size);
+        let inputs = CandidateInputs {
+            speeds: load.speeds(expected_output_tokens),
+            potential: load.potential_decode(&hashes.sequence, hashes.isl_tokens, block_size),
+            load: &load,
+        };
         // One rank per worker is the common case.
         let mut out = Vec::with_capacity(workers.len());
         for &record in workers {
             for dp_rank in record.spec.dp_ranks() {
                 let rank = Rank::new(record.spec.worker_id, dp_rank);
-                let overlap = overlaps.get(&rank);
-                let rank_load = load.rank_load(rank);
-                let mut candidate = Candidate {
-                    rank,
-                    device_blocks: overlap.map_or(0, |o| o.device_blocks),
-                    host_blocks: overlap.map_or(0, |o| o.host_blocks),
-                    disk_blocks: overlap.map_or(0, |o| o.disk_blocks),
-                    active_prefill_tokens: rank_load.active_prefill_tokens,
-                    active_decode_blocks: rank_load.active_decode_blocks,
-                    potential_decode_blocks: potential.blocks(rank),
-                    active_requests: rank_load.active_requests,
-                    total_kv_blocks: record.spec.total_kv_blocks,
-                    max_num_batched_tokens: record.spec.max_num_batched_tokens,
-                    speeds,
-                };
+                let mut candidate = inputs.candidate(rank, record, overlaps);
                 if let Some((now, reports)) = &engine_loads
                     && let Some((report, at)) = reports.get(&rank)
                     && now.saturating_duration_since(*at) <= self.config.engine_load_max_age
@@ -198,10 +192,17 @@ impl Selector {
             check_id("selection_id", id)?;
         }
         let session = self.look_up_session(req, now)?;
+        let config = self.config.scheduler.with(&req.overrides);
+        // The same pick without the scan of every rank, when it provably agrees (`fleet.rs`):
+        // a whole request in a partition of `both` workers.
+        if leg == Leg::Whole
+            && let Some(selection) = self.select_at_fleet_size(req, &session, &config, rng)?
+        {
+            return Ok(selection);
+        }
         let (p, workers) = self.schedulable_workers(req.partition)?;
         let block_size = workers.first().and_then(|r| r.spec.block_size).unwrap_or(1);
         let hashes = req.prompt.hash(block_size)?;
-        let config = self.config.scheduler.with(&req.overrides);
 
         let eligible = Self::eligible(req, workers, leg)?;
         let overlaps = Self::overlaps(p, &hashes);
@@ -253,9 +254,36 @@ impl Selector {
                 None => free[picked],
             }
         };
-        let Some(&(candidate, record)) = candidates.get(chosen) else {
+        let Some(&chosen) = candidates.get(chosen) else {
             return Err(Error::NoEndpointsAvailable);
         };
+        Ok(self.selection_for(
+            req,
+            leg,
+            session,
+            &config,
+            &hashes,
+            block_size,
+            &overlaps,
+            chosen,
+            best_device_blocks,
+        ))
+    }
+
+    /// The reply for the chosen rank.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn selection_for(
+        &self,
+        req: &SelectRequest<'_>,
+        leg: Leg,
+        session: SessionLookup,
+        config: &SchedulerConfig,
+        hashes: &PromptHashes,
+        block_size: u32,
+        overlaps: &Overlaps,
+        (candidate, record): (Candidate, &WorkerRecord),
+        best_device_blocks: u32,
+    ) -> Selection {
         let bs = u64::from(block_size);
         let dp = record
             .spec
@@ -289,7 +317,7 @@ impl Selector {
                 config.track_prefill_tokens,
             ),
         };
-        Ok(Selection {
+        Selection {
             selection_id: req.selection_id.map(str::to_string),
             partition: req.partition.clone(),
             worker_id: record.spec.worker_id,
@@ -313,7 +341,7 @@ impl Selector {
             sequence_hashes: Arc::from(hashes.sequence.as_slice()),
             isl_tokens: hashes.isl_tokens,
             session: self.session_choice(req, session, candidate.rank),
-        })
+        }
     }
 
     /// `POST /select`: picks a rank; books nothing. With a `selection_id` the booking inputs are

@@ -473,11 +473,18 @@ impl SessionTable {
 }
 
 /// A request's session, looked up before the pick.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub(super) struct SessionLookup {
     key: Option<SessionKey>,
     /// The live binding's rank.
     bound: Option<Rank>,
+}
+
+impl SessionLookup {
+    /// Whether the session is bound to a rank, which the pick then prefers.
+    pub(super) fn is_bound(&self) -> bool {
+        self.bound.is_some()
+    }
 }
 
 impl Selector {
