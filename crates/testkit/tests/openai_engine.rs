@@ -956,6 +956,35 @@ async fn metrics_reports_running_waiting_and_kv_usage_as_vllm_does() {
     engine.kill();
 }
 
+#[tokio::test]
+async fn metrics_count_requests_prompt_tokens_and_cached_tokens() {
+    let engine = start(fast()).await;
+    let prompt = "a prompt long enough to hold a few blocks of the cache ".repeat(4);
+    let body = json!({"prompt": prompt, "max_tokens": 3});
+    let mut usages = Vec::new();
+    for _ in 0..2 {
+        let (status, answer) = post(engine.addr(), "/v1/completions", &body).await;
+        assert_eq!(status, 200, "{answer}");
+        usages.push(answer["usage"].clone());
+    }
+    let prompt_tokens: u64 = usages.iter().map(|u| u["prompt_tokens"].as_u64().unwrap()).sum();
+    let cached: u64 = usages
+        .iter()
+        .map(|u| u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap())
+        .sum();
+    // The second request found the first one's full blocks.
+    assert!(cached > 0, "{usages:?}");
+    let mut connection = Connection::open(engine.addr()).await;
+    let (_, body) = connection.call("GET", "/metrics", b"").await;
+    let body = String::from_utf8(body).unwrap();
+    assert!(body.contains("# TYPE vllm:request_success_total counter"), "{body}");
+    assert_eq!(metric(&body, "vllm:request_success_total"), 2.0);
+    assert_eq!(metric(&body, "vllm:prompt_tokens_total"), prompt_tokens as f64);
+    assert_eq!(metric(&body, "vllm:prefix_cache_queries_total"), prompt_tokens as f64);
+    assert_eq!(metric(&body, "vllm:prefix_cache_hits_total"), cached as f64);
+    engine.shutdown().await;
+}
+
 /// A prompt prefix the router does not know is in the engine's usage but not in `/tokenize`,
 /// and without prompt-token details the usage has none (vLLM's default).
 #[tokio::test]

@@ -20,7 +20,9 @@
 //! `POST /v1/completions` and `POST /v1/chat/completions`, streaming (SSE) or not, with
 //! `usage.prompt_tokens_details.cached_tokens` (`null` with `prompt_tokens_details: false`, as
 //! vLLM without `--enable-prompt-tokens-details`); `POST /tokenize`, `POST /detokenize`,
-//! `GET /health`, `GET /v1/models`, `GET /metrics` (vLLM's running/waiting/KV-usage gauges).
+//! `GET /health`, `GET /v1/models` (`owned_by` `vllm`, or `sglang` for an engine speaking
+//! SGLang's P/D protocol, as routers that detect the engine read it), `GET /metrics` (vLLM's
+//! running/waiting/KV-usage gauges and its request, prompt-token and prefix-cache counters).
 //! Every answer is `max_tokens` tokens long (default 16).
 //!
 //! ## The model
@@ -197,6 +199,10 @@ pub(crate) struct Shared {
     first_token_delay_nanos: AtomicU64,
     prompt_prefix_tokens: std::sync::atomic::AtomicU32,
     served: AtomicU64,
+    /// Prompt tokens of the requests served, and those of them served from the KV cache
+    /// (`GET /metrics`: vLLM's `prompt_tokens` and `prefix_cache_hits` counters).
+    prompt_tokens_served: AtomicU64,
+    cached_tokens_served: AtomicU64,
     in_flight: AtomicUsize,
     event_batches: AtomicU64,
     recent: Mutex<VecDeque<ServedRequest>>,
@@ -220,6 +226,8 @@ impl Shared {
             first_token_delay_nanos: AtomicU64::new(0),
             prompt_prefix_tokens: std::sync::atomic::AtomicU32::new(0),
             served: AtomicU64::new(0),
+            prompt_tokens_served: AtomicU64::new(0),
+            cached_tokens_served: AtomicU64::new(0),
             in_flight: AtomicUsize::new(0),
             event_batches: AtomicU64::new(0),
             recent: Mutex::new(VecDeque::new()),
@@ -245,6 +253,10 @@ impl Shared {
 
     fn record(&self, served: ServedRequest) {
         self.served.fetch_add(1, Ordering::Relaxed);
+        self.prompt_tokens_served
+            .fetch_add(served.prompt_tokens, Ordering::Relaxed);
+        self.cached_tokens_served
+            .fetch_add(served.cached_tokens, Ordering::Relaxed);
         let mut recent = self.recent.lock();
         if recent.len() >= RECENT_REQUESTS {
             recent.pop_front();
