@@ -44,6 +44,10 @@ PREFILL="${PREFILL:-2}"
 DECODE="${DECODE:-4}"
 TIME_SCALE="${TIME_SCALE:-3}"
 BLOCK_SIZE="${BLOCK_SIZE:-16}"
+# The engines' KV-event layout, array or map (kvroute reads both; smg and vllm-router's
+# cache_aware route on text). vllm-router's kv_aware reads neither: it wants an array batch of
+# map events ("KV event must be a tagged map", "KV event batch must be an array").
+EVENTS_ENCODING="${EVENTS_ENCODING:-array}"
 MODEL="${MODEL:-mock}"
 REQUESTS="${REQUESTS:-400}"
 RATE="${RATE:-16}"
@@ -108,7 +112,7 @@ start_engines() { # protocol
     taskset -c "$client_cpus" "$kvroute" fake-engine --openai --port $((ENGINE_PORT_BASE + i)) \
       --role "$(role_of "$i")" --pd-protocol "$1" "${extra[@]}" \
       --model "$MODEL" --block-size "$BLOCK_SIZE" --bind "$(events_of "$i")" \
-      --tokenizer "$snapshot/tokenizer.json" --time-scale "$TIME_SCALE" \
+      --encoding "$EVENTS_ENCODING" --tokenizer "$snapshot/tokenizer.json" --time-scale "$TIME_SCALE" \
       >"$workdir/engine-$i.log" 2>&1 &
     engine_pids+=($!)
     pids+=($!)
@@ -231,7 +235,7 @@ python3 "$here/pd_live.py" summarize "${runs[@]}" --out-json "$base.json" --out-
   --meta "kvroute=$("$kvroute" --version 2>/dev/null || echo unknown)" \
   --meta "aiperf=$AIPERF_VERSION" --meta "smg=$SMG_VERSION" \
   --meta "vllm-router=$VLLM_ROUTER_VERSION" --meta "machine=$(machine)" \
-  --meta "config=prefill=$PREFILL decode=$DECODE time_scale=$TIME_SCALE block_size=$BLOCK_SIZE requests=$REQUESTS rate=$RATE prefixes=$PREFIXES prefix_tokens=$PREFIX_TOKENS user_tokens=$USER_TOKENS output_tokens=$OUTPUT_TOKENS seed=$SEED server_cpus=$server_cpus client_cpus=$client_cpus" \
+  --meta "config=prefill=$PREFILL decode=$DECODE time_scale=$TIME_SCALE block_size=$BLOCK_SIZE events_encoding=$EVENTS_ENCODING requests=$REQUESTS rate=$RATE prefixes=$PREFIXES prefix_tokens=$PREFIX_TOKENS user_tokens=$USER_TOKENS output_tokens=$OUTPUT_TOKENS seed=$SEED server_cpus=$server_cpus client_cpus=$client_cpus" \
   --meta "policies=smg prefill cache_aware, decode $SMG_DECODE_POLICY; vllm-router prefill $VLLM_ROUTER_PREFILL_POLICY, decode $VLLM_ROUTER_DECODE_POLICY" \
   --meta "kvroute_gateway_flags=$KVROUTE_GATEWAY_FLAGS"
 say "wrote $base.json and $base.md"

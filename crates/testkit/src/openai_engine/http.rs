@@ -5,12 +5,12 @@
 //! (drop the connection at once, mid-stream included). The accept loop stops on either and
 //! drops the listener, so new connections are refused.
 
+use super::disagg::{PdProtocol, PdRole};
 use super::generate::{self, chat_prompt};
 use super::protocol::{
     ApiError, DetokenizeRequest, ModelCard, ModelList, ModelPermission, TokenizeRequest,
     TokenizeResponse, json_response, parse,
 };
-use super::disagg::{PdProtocol, PdRole};
 use super::{AppState, unix_secs, until_true};
 use axum::Router;
 use axum::body::Body;

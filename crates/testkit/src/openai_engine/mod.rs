@@ -105,6 +105,8 @@ pub struct MockEngineConfig {
     /// The ZeroMQ PUB endpoint of the KV events (`tcp://127.0.0.1:5557`; port 0 picks one);
     /// `None` publishes nothing.
     pub events_bind: Option<String>,
+    /// The events' msgpack layout: vLLM's older array form or its newer map form.
+    pub events_encoding: kvroute_wire::Encoding,
     /// The simulated engine: pool size, step budget, batch size, timing model.
     pub engine: EngineConfig,
     /// Real seconds per modelled second: 1.0 is the modelled pace, 0.1 ten times faster, 0
@@ -134,6 +136,7 @@ impl Default for MockEngineConfig {
             block_size: 16,
             tokenizer: None,
             events_bind: None,
+            events_encoding: kvroute_wire::Encoding::Array,
             engine: EngineConfig {
                 block_size: 16,
                 kv_blocks: Some(DEFAULT_KV_BLOCKS),
@@ -378,7 +381,7 @@ impl MockEngine {
         let (publisher, events_endpoint) = match &config.events_bind {
             None => (None, None),
             Some(bind) => {
-                let engine = FakeEngine::bind(bind, None, kvroute_wire::Encoding::Array)
+                let engine = FakeEngine::bind(bind, None, config.events_encoding)
                     .await
                     .map_err(|e| io::Error::new(io::ErrorKind::AddrNotAvailable, e.to_string()))?;
                 let endpoint = engine.pub_endpoint().to_string();
