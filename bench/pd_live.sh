@@ -7,7 +7,9 @@
 #                   SMG_DECODE_POLICY decode policy (round_robin)
 #   kvroute-vllm    `kvroute gateway --pd-protocol vllm`
 #   vllm-router     `vllm-router --vllm-pd-disaggregation` (PyPI vllm-router), cache_aware
-#                   prefill policy, VLLM_ROUTER_DECODE_POLICY (round_robin)
+#                   prefill policy (VLLM_ROUTER_PREFILL_POLICY; its kv_aware cannot read the
+#                   mock's KV events, see EVENTS_ENCODING), VLLM_ROUTER_DECODE_POLICY
+#                   (round_robin). It sends NixlConnector's two legs as the engines expect.
 # on the few-hot-system-prompts workload of bench/gateway_aiperf.sh: streaming chat, PREFIXES
 # shared prefixes of PREFIX_TOKENS tokens before a USER_TOKENS-token user part of its own,
 # OUTPUT_TOKENS output tokens, Poisson arrivals at RATE requests/s, REQUESTS requests.
@@ -20,6 +22,7 @@
 # - Engines: the SGLang fronts get engines of `--pd-protocol sglang` (each prefill engine a
 #   bootstrap server on its own port), the vLLM fronts engines of `--pd-protocol vllm`
 #   (NixlConnector's kv_transfer_params); a decode engine refuses a leg of the wrong protocol.
+#   smg picks its P/D flow from the engines' /v1/models `owned_by` (the mock says `sglang`).
 #   The decode engine waits the modelled KV transfer (the mock's 100 Gbit/s, Llama-3-8B-sized
 #   KV) × TIME_SCALE. Fresh engines and server per front, the same --random-seed for each.
 # - Decode policies: the KV reaches a decode engine by transfer, so its cache earns a decode
@@ -31,7 +34,8 @@
 #   cached-token figure is not compared: vllm-router rewrites it to the prefill leg's, the
 #   other fronts pass the decode engine's (which counts the transferred blocks).
 #
-# Writes bench/results/pd-live-<UTC start>.json and .md and prints the table. Needs python3
+# About 4 minutes on 2 cores (the venv and build aside). Writes
+# bench/results/pd-live-<UTC start>.json and .md and prints the table. Needs python3
 # (3.10+), PyPI access for the venv (or a venv holding the pinned aiperf, smg and vllm-router:
 # PD_VENV), and nothing but 127.0.0.1.
 set -euo pipefail
