@@ -73,70 +73,21 @@ TOKENIZER_NAME="${TOKENIZER_NAME:-charchat}"
 venv="${AIPERF_VENV:-$here/.venv-aiperf}"
 stamp="$(date -u +%Y-%m-%dT%H-%M-%SZ)"
 workdir="$(mktemp -d)"
-elapsed() { printf '[%d:%02d]' $((SECONDS / 60)) $((SECONDS % 60)); }
-say() { echo "== $(elapsed) $*"; }
-
-pids=()
-cleanup() {
-  local p
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  for p in "${pids[@]}"; do
-    for _ in $(seq 1 50); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
-    kill -9 "$p" 2>/dev/null || true
-  done
-  wait 2>/dev/null || true
-  rm -rf "$workdir"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
-allowed=$(awk '/^Cpus_allowed_list/ {print $2}' /proc/self/status)
-read -r client_cpus server_cpus < <(python3 - "$allowed" <<'PY'
-import sys
-cpus = []
-for part in sys.argv[1].split(","):
-    lo, _, hi = part.partition("-")
-    cpus += range(int(lo), int(hi or lo) + 1)
-half = max(1, len(cpus) // 2)
-print(",".join(map(str, cpus[:half])), ",".join(map(str, cpus[half:] or cpus)))
-PY
-)
+# shellcheck source=bench/aiperf_common.sh
+. "$here/aiperf_common.sh"
+split_cpus
 
 say "venv $venv: aiperf==$AIPERF_VERSION smg==$SMG_VERSION$([ -z "${KVROUTE_BIN:-}" ] && echo '; building kvroute (release)')"
-(
-  [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-  if ! "$venv/bin/python" - "$AIPERF_VERSION" "$SMG_VERSION" 2>/dev/null <<'PY'; then
-import importlib.metadata as m, sys
-sys.exit(m.version("aiperf") != sys.argv[1] or m.version("smg") != sys.argv[2])
-PY
-    "$venv/bin/pip" install -q "aiperf==$AIPERF_VERSION" "smg==$SMG_VERSION"
-  fi
-) &
+ensure_venv "$venv" "aiperf==$AIPERF_VERSION" "smg==$SMG_VERSION" &
 pip_pid=$!
-if [ -n "${KVROUTE_BIN:-}" ]; then
-  kvroute="$KVROUTE_BIN"
-else
-  nice -n 10 cargo build --release -q -p kvroute
-  kvroute="${CARGO_TARGET_DIR:-$repo/target}/release/kvroute"
-fi
+build_kvroute
 if ! wait "$pip_pid"; then
   echo "installing aiperf==$AIPERF_VERSION smg==$SMG_VERSION into $venv failed" >&2
   exit 1
 fi
 aiperf="$venv/bin/aiperf"
 smg="$venv/bin/smg"
-
-# The tokenizer, in the hub cache layout, under a private HF_HOME; nothing may be downloaded.
-export HF_HOME="$workdir/hf"
-export HF_HUB_CACHE="$HF_HOME/hub"
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
-snapshot=$(python3 "$here/gateway_aiperf.py" tokenizer --hub-cache "$HF_HUB_CACHE" --name "$TOKENIZER_NAME")
-"$venv/bin/python" - "local/$TOKENIZER_NAME" <<'PY'
-import sys
-from transformers import AutoTokenizer
-t = AutoTokenizer.from_pretrained(sys.argv[1])
-assert len(t.encode("a\nb", add_special_tokens=False)) == 3, "one token per character"
-PY
+setup_tokenizer "$venv" "$TOKENIZER_NAME"
 
 if ! "$kvroute" gateway --help | grep -q -- --gateway-policy; then
   echo "$kvroute gateway has no --gateway-policy" >&2
@@ -156,23 +107,7 @@ start_engines() {
     engine_pids+=($!)
     pids+=($!)
   done
-  for i in $(seq 0 $((ENGINES - 1))); do
-    for _ in $(seq 1 100); do
-      grep -q "serving model" "$workdir/engine-$i.log" 2>/dev/null && break
-      sleep 0.1
-    done
-    grep -q "serving model" "$workdir/engine-$i.log" || { cat "$workdir/engine-$i.log" >&2; exit 1; }
-  done
-}
-# Ends processes and waits for them: SIGTERM, SIGKILL after 10 s.
-stop() {
-  local p
-  for p in "$@"; do kill "$p" 2>/dev/null || true; done
-  for p in "$@"; do
-    for _ in $(seq 1 100); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
-    kill -9 "$p" 2>/dev/null || true
-    wait "$p" 2>/dev/null || true
-  done
+  for i in $(seq 0 $((ENGINES - 1))); do wait_log "$workdir/engine-$i.log" "serving model"; done
 }
 
 engine_urls=()
@@ -209,66 +144,11 @@ start_server() { # front
   server_pid=$!
   pids+=($server_pid)
   # Ready when GET /workers lists every engine as registered (and, for smg, healthy).
-  if ! python3 - "$server_url" "$ENGINES" <<'PY'; then
-import json, sys, time, urllib.request
-url, want = sys.argv[1], int(sys.argv[2])
-deadline = time.time() + 60
-while time.time() < deadline:
-    try:
-        with urllib.request.urlopen(url + "/workers", timeout=2) as r:
-            body = json.loads(r.read())
-        items = body.get("workers", []) if isinstance(body, dict) else body
-        ready = [w for w in items if w.get("is_healthy", True) and w.get("status", "ready") == "ready"]
-        if len(ready) >= want:
-            sys.exit(0)
-    except (OSError, ValueError):
-        pass
-    time.sleep(0.2)
-sys.exit(1)
-PY
-    echo "$front did not list $ENGINES ready workers within 60 s:" >&2
-    tail -20 "$workdir/$front-server.log" >&2
-    exit 1
-  fi
+  wait_workers "$server_url" "$ENGINES" "$front" "$workdir/$front-server.log"
   # The KV-event subscriptions connect in the background: a moment for them.
   sleep 1
 }
 
-# Bookings left on kvroute (GET /loads): the sum of every rank's counters, 0 when none is left.
-bookings_left() {
-  python3 - "$server_url" <<'PY'
-import json, sys, urllib.request
-with urllib.request.urlopen(sys.argv[1] + "/loads", timeout=5) as r:
-    parts = json.loads(r.read())
-left = 0
-for p in parts:
-    left += p.get("pending_count", 0) or 0
-    for rank in p.get("loads", []):
-        for key in ("active_requests", "potential_prefill_tokens", "potential_decode_blocks"):
-            left += rank.get(key, 0) or 0
-print(left)
-PY
-}
-
-# kvroute's own view (GET /metrics): the selections' device-overlap tokens, chosen and best,
-# as {"chosen": N, "best": N}; {} when the gateway exports none.
-overlap_tokens() {
-  python3 - "$server_url" <<'PY'
-import json, re, sys, urllib.request
-with urllib.request.urlopen(sys.argv[1] + "/metrics", timeout=5) as r:
-    text = r.read().decode()
-out = {}
-for line in text.splitlines():
-    m = re.match(r'kvroute_selection_overlap_tokens_total\{(.*)\} (\S+)', line)
-    if m:
-        kind = re.search(r'kind="(\w+)"', m.group(1))
-        if kind:
-            out[kind.group(1)] = out.get(kind.group(1), 0) + float(m.group(2))
-print(json.dumps(out))
-PY
-}
-
-cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 # Each engine's CPU ticks, comma-separated: how the work spread over the engines.
 engine_ticks() {
   local p out=()
@@ -284,28 +164,16 @@ for front in $FRONTS; do
   out="$workdir/aiperf-$front"
   cpu0=$(cpu_ticks "$server_pid")
   engines0=$(engine_ticks)
-  # --num-dataset-entries REQUESTS: every request its own user part (aiperf's default of 100
-  # entries would repeat whole prompts).
   rc=0
-  taskset -c "$client_cpus" timeout --kill-after=10 "$RUN_TIMEOUT" "$aiperf" profile \
-    --model "$MODEL" --tokenizer "local/$TOKENIZER_NAME" --url "$server_url" \
-    --endpoint-type chat --streaming --use-server-token-count \
-    --num-prefix-prompts "$PREFIXES" --prefix-prompt-length "$PREFIX_TOKENS" \
-    --isl "$USER_TOKENS" --isl-stddev 0 --osl "$OUTPUT_TOKENS" --osl-stddev 0 \
-    --extra-inputs ignore_eos:true \
-    --num-dataset-entries "$REQUESTS" --request-count "$REQUESTS" \
-    --request-rate "$RATE" --arrival-pattern poisson --random-seed "$SEED" \
-    --request-timeout-seconds "$REQUEST_TIMEOUT" \
-    --no-server-metrics --no-gpu-telemetry --ui-type none \
-    --artifact-dir "$out" >"$workdir/aiperf-$front.log" 2>&1 || rc=$?
+  run_aiperf "$out" "$workdir/aiperf-$front.log" "$server_url" || rc=$?
   cpu1=$(cpu_ticks "$server_pid")
   engines1=$(engine_ticks)
   left=null
   overlap='{}'
   if [ "$front" != smg ]; then
     sleep 0.5
-    left=$(bookings_left || echo null)
-    overlap=$(overlap_tokens || echo '{}')
+    left=$(bookings_left "$server_url" || echo null)
+    overlap=$(overlap_tokens "$server_url" || echo '{}')
   fi
   python3 - "$out" "$rc" "$cpu0" "$cpu1" "$left" "$REQUESTS" "$overlap" "$engines0" "$engines1" <<'PY'
 import json, os, sys
@@ -337,13 +205,12 @@ done
 
 mkdir -p "$here/results"
 base="$here/results/gateway-aiperf-$stamp"
-commit=$(git -C "$repo" rev-parse --short=7 HEAD 2>/dev/null || echo unknown)
-git -C "$repo" diff --quiet HEAD -- crates Cargo.toml Cargo.lock 2>/dev/null || commit="$commit-dirty"
+commit=$(commit_id)
 python3 "$here/gateway_aiperf.py" summarize "${runs[@]}" --out-json "$base.json" --out-md "$base.md" \
   --meta "started=$stamp" --meta "commit=$commit" \
   --meta "kvroute=$("$kvroute" --version 2>/dev/null || echo unknown)" \
   --meta "aiperf=$AIPERF_VERSION" --meta "smg=$SMG_VERSION" \
-  --meta "machine=$(nproc) cores, $(awk -F': *' '/^model name/ {print $2; exit}' /proc/cpuinfo)" \
+  --meta "machine=$(machine)" \
   --meta "config=engines=$ENGINES time_scale=$TIME_SCALE kv_blocks=${KV_BLOCKS:-default} block_size=$BLOCK_SIZE requests=$REQUESTS rate=$RATE prefixes=$PREFIXES prefix_tokens=$PREFIX_TOKENS user_tokens=$USER_TOKENS output_tokens=$OUTPUT_TOKENS seed=$SEED server_cpus=$server_cpus client_cpus=$client_cpus" \
   --meta "kvroute_gateway_flags=$KVROUTE_GATEWAY_FLAGS" --meta "smg_flags=$SMG_FLAGS"
 say "wrote $base.json and $base.md"

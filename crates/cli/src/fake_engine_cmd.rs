@@ -37,6 +37,15 @@ pub enum EncodingArg {
     Map,
 }
 
+impl EncodingArg {
+    pub fn wire(self) -> Encoding {
+        match self {
+            EncodingArg::Array => Encoding::Array,
+            EncodingArg::Map => Encoding::Map,
+        }
+    }
+}
+
 #[derive(Args, Debug)]
 pub struct FakeEngineArgs {
     /// ZMQ address of the PUB socket (what workers register as `kv_events_endpoint`).
@@ -45,7 +54,7 @@ pub struct FakeEngineArgs {
     /// ZMQ address of a ROUTER socket answering replay requests (the `replay_endpoint`).
     #[arg(long)]
     pub replay: Option<String>,
-    /// Event encoding.
+    /// Event encoding (`--openai` engines' events too).
     #[arg(long, value_enum, default_value_t = EncodingArg::Array)]
     pub encoding: EncodingArg,
     /// Tokens per KV block.
@@ -247,10 +256,7 @@ pub fn run(args: &FakeEngineArgs) -> ExitCode {
 async fn publish(args: &FakeEngineArgs, plan: &Plan, source: &mut Source) -> ExitCode {
     let started = Instant::now();
     let deadline = started + plan.duration;
-    let encoding = match args.encoding {
-        EncodingArg::Array => Encoding::Array,
-        EncodingArg::Map => Encoding::Map,
-    };
+    let encoding = args.encoding.wire();
     let mut engine = match FakeEngine::bind(&args.bind, args.replay.as_deref(), encoding).await {
         Ok(engine) => engine,
         Err(e) => {

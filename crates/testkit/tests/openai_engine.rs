@@ -563,6 +563,50 @@ async fn receive_events(subscriber: &mut SubSocket, stored_blocks: usize) -> Vec
 }
 
 #[tokio::test]
+async fn kv_events_go_out_in_the_encoding_asked_for() {
+    for (encoding, map_marker) in [
+        (kvroute_wire::Encoding::Array, false),
+        (kvroute_wire::Encoding::Map, true),
+    ] {
+        let engine = start(MockEngineConfig {
+            events_bind: Some("tcp://127.0.0.1:0".to_string()),
+            events_encoding: encoding,
+            ..fast()
+        })
+        .await;
+        let mut subscriber = SubSocket::new();
+        subscriber
+            .connect(&engine.events_endpoint().unwrap())
+            .await
+            .unwrap();
+        subscriber.subscribe("").await.unwrap();
+        assert!(engine.wait_for_event_subscribers(1, WAIT).await);
+        let prompt: String = (0..40).map(|i| (b'a' + (i % 26) as u8) as char).collect();
+        let body = json!({"prompt": prompt, "max_tokens": 2});
+        assert_eq!(post(engine.addr(), "/v1/completions", &body).await.0, 200);
+        let message = tokio::time::timeout(WAIT, subscriber.recv())
+            .await
+            .expect("KV events in time")
+            .unwrap()
+            .into_vec();
+        let live = frames::parse_live_message(&message).unwrap();
+        // msgpack maps start 0x80-0x8f, 0xde or 0xdf; arrays 0x90-0x9f, 0xdc or 0xdd.
+        let first = live.payload[0];
+        let is_map = (0x80..=0x8f).contains(&first) || first == 0xde || first == 0xdf;
+        assert_eq!(is_map, map_marker, "{encoding:?}: first byte {first:#x}");
+        let batch = decode_batch(live.payload).unwrap();
+        assert!(
+            batch
+                .events
+                .iter()
+                .any(|e| matches!(e, RawEvent::Stored(_))),
+            "{encoding:?}"
+        );
+        engine.shutdown().await;
+    }
+}
+
+#[tokio::test]
 async fn kv_events_name_blocks_by_kvroute_hashes_of_the_prompt() {
     let engine = start(MockEngineConfig {
         events_bind: Some("tcp://127.0.0.1:0".to_string()),
@@ -1104,6 +1148,51 @@ async fn metrics_reports_running_waiting_and_kv_usage_as_vllm_does() {
     assert!(usage > 0.0 && usage <= 1.0, "{usage}");
     request.abort();
     engine.kill();
+}
+
+#[tokio::test]
+async fn metrics_count_requests_prompt_tokens_and_cached_tokens() {
+    let engine = start(fast()).await;
+    let prompt = "a prompt long enough to hold a few blocks of the cache ".repeat(4);
+    let body = json!({"prompt": prompt, "max_tokens": 3});
+    let mut usages = Vec::new();
+    for _ in 0..2 {
+        let (status, answer) = post(engine.addr(), "/v1/completions", &body).await;
+        assert_eq!(status, 200, "{answer}");
+        usages.push(answer["usage"].clone());
+    }
+    let prompt_tokens: u64 = usages
+        .iter()
+        .map(|u| u["prompt_tokens"].as_u64().unwrap())
+        .sum();
+    let cached: u64 = usages
+        .iter()
+        .map(|u| {
+            u["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap()
+        })
+        .sum();
+    // The second request found the first one's full blocks.
+    assert!(cached > 0, "{usages:?}");
+    let mut connection = Connection::open(engine.addr()).await;
+    let (_, body) = connection.call("GET", "/metrics", b"").await;
+    let body = String::from_utf8(body).unwrap();
+    assert!(
+        body.contains("# TYPE vllm:request_success_total counter"),
+        "{body}"
+    );
+    assert_eq!(metric(&body, "vllm:request_success_total"), 2.0);
+    assert_eq!(
+        metric(&body, "vllm:prompt_tokens_total"),
+        prompt_tokens as f64
+    );
+    assert_eq!(
+        metric(&body, "vllm:prefix_cache_queries_total"),
+        prompt_tokens as f64
+    );
+    assert_eq!(metric(&body, "vllm:prefix_cache_hits_total"), cached as f64);
+    engine.shutdown().await;
 }
 
 /// A prompt prefix the router does not know is in the engine's usage but not in `/tokenize`,

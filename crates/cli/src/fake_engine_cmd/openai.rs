@@ -143,6 +143,7 @@ fn plan(args: &FakeEngineArgs) -> Result<(MockEngineConfig, SocketAddr), String>
         block_size: args.block_size,
         tokenizer: openai.tokenizer.clone(),
         events_bind: Some(args.bind.clone()),
+        events_encoding: args.encoding.wire(),
         engine: EngineConfig {
             block_size: args.block_size,
             kv_blocks: Some(openai.kv_blocks),

@@ -5,6 +5,7 @@
 //! (drop the connection at once, mid-stream included). The accept loop stops on either and
 //! drops the listener, so new connections are refused.
 
+use super::disagg::{PdProtocol, PdRole};
 use super::generate::{self, chat_prompt};
 use super::protocol::{
     ApiError, DetokenizeRequest, ModelCard, ModelList, ModelPermission, TokenizeRequest,
@@ -67,9 +68,15 @@ async fn health(State(state): State<Arc<AppState>>) -> StatusCode {
     }
 }
 
-/// vLLM's (V1) load gauges in the Prometheus text format, labelled as vLLM labels them.
+/// vLLM's (V1) load gauges and request counters in the Prometheus text format, labelled as
+/// vLLM labels them. The prefix-cache counters count tokens as the answers' `cached_tokens`
+/// do: on a decode engine, the blocks received from a prefill engine are cached tokens.
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     let (running, waiting, usage) = state.shared.load.read();
+    let shared = &state.shared;
+    let served = shared.served.load(Ordering::Relaxed);
+    let prompt = shared.prompt_tokens_served.load(Ordering::Relaxed);
+    let cached = shared.cached_tokens_served.load(Ordering::Relaxed);
     let labels = format!("engine=\"0\",model_name=\"{}\"", escape_label(&state.model));
     let body = format!(
         "# HELP vllm:num_requests_running Number of requests in model execution batches.\n\
@@ -80,7 +87,19 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
          vllm:num_requests_waiting{{{labels}}} {waiting}.0\n\
          # HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n\
          # TYPE vllm:kv_cache_usage_perc gauge\n\
-         vllm:kv_cache_usage_perc{{{labels}}} {usage}\n"
+         vllm:kv_cache_usage_perc{{{labels}}} {usage}\n\
+         # HELP vllm:request_success_total Count of successfully processed requests.\n\
+         # TYPE vllm:request_success_total counter\n\
+         vllm:request_success_total{{{labels},finished_reason=\"length\"}} {served}.0\n\
+         # HELP vllm:prompt_tokens_total Number of prefill tokens processed.\n\
+         # TYPE vllm:prompt_tokens_total counter\n\
+         vllm:prompt_tokens_total{{{labels}}} {prompt}.0\n\
+         # HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of tokens.\n\
+         # TYPE vllm:prefix_cache_queries_total counter\n\
+         vllm:prefix_cache_queries_total{{{labels}}} {prompt}.0\n\
+         # HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of tokens.\n\
+         # TYPE vllm:prefix_cache_hits_total counter\n\
+         vllm:prefix_cache_hits_total{{{labels}}} {cached}.0\n"
     );
     (
         [(
@@ -109,7 +128,11 @@ async fn models(State(state): State<Arc<AppState>>) -> Response {
             id: &state.model,
             object: "model",
             created,
-            owned_by: "vllm",
+            // What routers that detect the engine (SGLang's or vLLM's P/D flow) read.
+            owned_by: match (state.pd.config.role, state.pd.config.protocol) {
+                (PdRole::Prefill | PdRole::Decode, Some(PdProtocol::Sglang)) => "sglang",
+                _ => "vllm",
+            },
             root: &state.model,
             parent: None,
             max_model_len: state.max_model_len,

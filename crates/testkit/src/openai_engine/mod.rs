@@ -22,7 +22,9 @@
 //! `usage.prompt_tokens_details.cached_tokens` (`null` with `prompt_tokens_details: false`, as
 //! vLLM without `--enable-prompt-tokens-details`); `POST /v1/responses` (OpenAI's Responses API,
 //! its `event:` stream included: `responses.rs`); `POST /tokenize`, `POST /detokenize`,
-//! `GET /health`, `GET /v1/models`, `GET /metrics` (vLLM's running/waiting/KV-usage gauges).
+//! `GET /health`, `GET /v1/models` (`owned_by` `vllm`, or `sglang` for an engine speaking
+//! SGLang's P/D protocol, as routers that detect the engine read it), `GET /metrics` (vLLM's
+//! running/waiting/KV-usage gauges and its request, prompt-token and prefix-cache counters).
 //! Every answer is `max_tokens` tokens long (default 16), as with `ignore_eos`.
 //!
 //! ## The model
@@ -106,6 +108,8 @@ pub struct MockEngineConfig {
     /// The ZeroMQ PUB endpoint of the KV events (`tcp://127.0.0.1:5557`; port 0 picks one);
     /// `None` publishes nothing.
     pub events_bind: Option<String>,
+    /// The events' msgpack layout: vLLM's older array form or its newer map form.
+    pub events_encoding: kvroute_wire::Encoding,
     /// The simulated engine: pool size, step budget, batch size, timing model.
     pub engine: EngineConfig,
     /// Real seconds per modelled second: 1.0 is the modelled pace, 0.1 ten times faster, 0
@@ -135,6 +139,7 @@ impl Default for MockEngineConfig {
             block_size: 16,
             tokenizer: None,
             events_bind: None,
+            events_encoding: kvroute_wire::Encoding::Array,
             engine: EngineConfig {
                 block_size: 16,
                 kv_blocks: Some(DEFAULT_KV_BLOCKS),
@@ -200,6 +205,10 @@ pub(crate) struct Shared {
     first_token_delay_nanos: AtomicU64,
     prompt_prefix_tokens: std::sync::atomic::AtomicU32,
     served: AtomicU64,
+    /// Prompt tokens of the requests served, and those of them served from the KV cache
+    /// (`GET /metrics`: vLLM's `prompt_tokens` and `prefix_cache_hits` counters).
+    prompt_tokens_served: AtomicU64,
+    cached_tokens_served: AtomicU64,
     in_flight: AtomicUsize,
     event_batches: AtomicU64,
     recent: Mutex<VecDeque<ServedRequest>>,
@@ -223,6 +232,8 @@ impl Shared {
             first_token_delay_nanos: AtomicU64::new(0),
             prompt_prefix_tokens: std::sync::atomic::AtomicU32::new(0),
             served: AtomicU64::new(0),
+            prompt_tokens_served: AtomicU64::new(0),
+            cached_tokens_served: AtomicU64::new(0),
             in_flight: AtomicUsize::new(0),
             event_batches: AtomicU64::new(0),
             recent: Mutex::new(VecDeque::new()),
@@ -248,6 +259,10 @@ impl Shared {
 
     fn record(&self, served: ServedRequest) {
         self.served.fetch_add(1, Ordering::Relaxed);
+        self.prompt_tokens_served
+            .fetch_add(served.prompt_tokens, Ordering::Relaxed);
+        self.cached_tokens_served
+            .fetch_add(served.cached_tokens, Ordering::Relaxed);
         let mut recent = self.recent.lock();
         if recent.len() >= RECENT_REQUESTS {
             recent.pop_front();
@@ -369,7 +384,7 @@ impl MockEngine {
         let (publisher, events_endpoint) = match &config.events_bind {
             None => (None, None),
             Some(bind) => {
-                let engine = FakeEngine::bind(bind, None, kvroute_wire::Encoding::Array)
+                let engine = FakeEngine::bind(bind, None, config.events_encoding)
                     .await
                     .map_err(|e| io::Error::new(io::ErrorKind::AddrNotAvailable, e.to_string()))?;
                 let endpoint = engine.pub_endpoint().to_string();

@@ -67,6 +67,35 @@ fn error_message(body: &Value) -> String {
         .to_string()
 }
 
+/// `GET /v1/models`' `owned_by` of an engine: what routers that detect the engine read.
+async fn owned_by(engine: &MockEngine) -> String {
+    let (status, body) = Connection::open(engine.addr())
+        .await
+        .call("GET", "/v1/models", b"")
+        .await;
+    assert_eq!(status, 200);
+    let models: Value = serde_json::from_slice(&body).unwrap();
+    models["data"][0]["owned_by"].as_str().unwrap().to_string()
+}
+
+#[tokio::test]
+async fn engines_name_the_runtime_whose_protocol_they_speak() {
+    for (role, protocol, runtime) in [
+        (PdRole::Prefill, PdProtocol::Sglang, "sglang"),
+        (PdRole::Decode, PdProtocol::Sglang, "sglang"),
+        (PdRole::Prefill, PdProtocol::Vllm, "vllm"),
+        (PdRole::Decode, PdProtocol::Vllm, "vllm"),
+    ] {
+        let engine = start(pd_engine(role, protocol)).await;
+        assert_eq!(owned_by(&engine).await, runtime, "{role:?} {protocol:?}");
+        engine.shutdown().await;
+    }
+    // Role `both` ignores the protocol.
+    let both = start(fast()).await;
+    assert_eq!(owned_by(&both).await, "vllm");
+    both.shutdown().await;
+}
+
 #[tokio::test]
 async fn vllm_prefill_then_decode_streams_and_releases_the_blocks() {
     let prefill = start(pd_engine(PdRole::Prefill, PdProtocol::Vllm)).await;
