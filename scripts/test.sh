@@ -25,7 +25,7 @@ if [ -z "$py_venv" ]; then
 fi
 py="$(cd "$py_venv" && pwd)/bin/python"
 "$py" -m pip install --quiet --disable-pip-version-check \
-    maturin pytest pytest-asyncio pyzmq msgspec openai &
+    maturin pytest pytest-asyncio pyzmq msgspec numpy openai &
 pip_pid=$!
 trap 'kill "$pip_pid" 2>/dev/null || true' EXIT
 
