@@ -698,15 +698,17 @@ pub(crate) fn suite_shapes(args: &SimArgs) -> Result<Vec<Box<dyn Shape>>, String
     Ok(selected)
 }
 
-fn run_suite_cmd(args: &SimArgs) -> Result<(), String> {
-    let started = Instant::now();
-    let options = suite_options(args)?;
-    let jobs = args.jobs.unwrap_or_else(|| {
+/// How many runs of a suite go at once: `--jobs`, else one per core.
+pub(crate) fn suite_jobs(args: &SimArgs) -> usize {
+    args.jobs.unwrap_or_else(|| {
         std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(1)
-    });
-    let total = options.cells().len() * options.policies.len();
+    })
+}
+
+/// A suite's progress bar on stderr (hidden with `--no-progress` or off a terminal).
+pub(crate) fn suite_progress(label: &str, total: usize, args: &SimArgs) -> ProgressBar {
     let bar = ProgressBar::with_draw_target(
         Some(total as u64),
         if !args.no_progress && std::io::stderr().is_terminal() {
@@ -716,10 +718,21 @@ fn run_suite_cmd(args: &SimArgs) -> Result<(), String> {
         },
     );
     bar.set_style(
-        ProgressStyle::with_template("suite [{bar:40}] {pos}/{len} runs {elapsed}")
-            .map(|s| s.progress_chars("=> "))
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        ProgressStyle::with_template(&format!(
+            "{label} [{{bar:40}}] {{pos}}/{{len}} runs {{elapsed}}"
+        ))
+        .map(|s| s.progress_chars("=> "))
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
+    bar
+}
+
+fn run_suite_cmd(args: &SimArgs) -> Result<(), String> {
+    let started = Instant::now();
+    let options = suite_options(args)?;
+    let jobs = suite_jobs(args);
+    let total = options.cells().len() * options.policies.len();
+    let bar = suite_progress("suite", total, args);
     let cells = run_suite(&options, jobs, Instant::now(), &|done, _| {
         bar.set_position(done as u64)
     })

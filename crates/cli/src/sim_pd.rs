@@ -8,10 +8,10 @@
 //! entry's ratio to the best of each cell.
 
 use crate::sim_cmd::{
-    SimArgs, engine_model, kvroute_settings, list, load_workload, sim_config, suite_shapes,
+    SimArgs, engine_model, kvroute_settings, list, load_workload, sim_config, suite_jobs,
+    suite_progress, suite_shapes,
 };
 use clap::Args;
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kvroute_sim::pd::compare::{
     PdEntry, PdSuiteOptions, compare, default_entries, run_pd_suite, suite_markdown, table,
 };
@@ -19,7 +19,6 @@ use kvroute_sim::pd::{
     DEFAULT_KV_BYTES_PER_TOKEN, DEFAULT_TRANSFER_BYTES_PER_SEC, PdConfig, TransferModel,
 };
 use kvroute_sim::{SimConfig, Workload};
-use std::io::IsTerminal;
 use std::time::Instant;
 
 #[derive(Args, Debug, Clone)]
@@ -115,14 +114,6 @@ pub fn split(args: &SimArgs) -> Result<(usize, usize), String> {
     Ok((prefill, decode))
 }
 
-fn jobs(args: &SimArgs) -> usize {
-    args.jobs.unwrap_or_else(|| {
-        std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1)
-    })
-}
-
 pub fn run_pd_cmd(args: &SimArgs) -> Result<(), String> {
     let started = Instant::now();
     let sim = sim_config(args)?;
@@ -142,7 +133,7 @@ pub fn run_pd_cmd(args: &SimArgs) -> Result<(), String> {
         &base,
         &entries,
         kvroute,
-        jobs(args),
+        suite_jobs(args),
         Instant::now(),
     )
     .map_err(|e| e.to_string())?;
@@ -207,22 +198,10 @@ pub fn suite_pd_options(args: &SimArgs) -> Result<PdSuiteOptions, String> {
 pub fn run_suite_pd_cmd(args: &SimArgs) -> Result<(), String> {
     let started = Instant::now();
     let options = suite_pd_options(args)?;
-    let jobs = jobs(args);
+    let jobs = suite_jobs(args);
     let total =
         options.engines.len() * options.shapes.len() * options.loads.len() * options.entries.len();
-    let bar = ProgressBar::with_draw_target(
-        Some(total as u64),
-        if !args.no_progress && std::io::stderr().is_terminal() {
-            ProgressDrawTarget::stderr()
-        } else {
-            ProgressDrawTarget::hidden()
-        },
-    );
-    bar.set_style(
-        ProgressStyle::with_template("suite-pd [{bar:40}] {pos}/{len} runs {elapsed}")
-            .map(|s| s.progress_chars("=> "))
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
+    let bar = suite_progress("suite-pd", total, args);
     let cells = run_pd_suite(&options, jobs, Instant::now(), &|done, _| {
         bar.set_position(done as u64)
     })
