@@ -329,7 +329,7 @@ fn help_knobs(help: &str) -> std::collections::BTreeMap<String, Knob> {
     knobs
 }
 
-/// The rows of the README's configuration table: flag → (variable, default cell).
+/// The rows of the configuration table (docs/configuration.md): flag → (variable, default cell).
 fn readme_knobs(readme: &str) -> std::collections::BTreeMap<String, (String, String)> {
     let section = readme
         .split("\n## Configuration\n")
@@ -356,8 +356,11 @@ fn the_readme_configuration_table_matches_serve_help() {
     let (code, help, _) = kvroute(&["serve", "--help"], "");
     assert_eq!(code, 0);
     let knobs = help_knobs(&help);
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md"))
-        .expect("README.md");
+    let readme = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../docs/configuration.md"
+    ))
+    .expect("docs/configuration.md");
     let rows = readme_knobs(&readme);
     assert!(knobs.len() > 30, "{knobs:?}");
     let flags: Vec<&String> = knobs.keys().collect();
@@ -365,10 +368,13 @@ fn the_readme_configuration_table_matches_serve_help() {
     for (flag, knob) in &knobs {
         let (env, default) = &rows[flag];
         assert_eq!(&knob.env, env, "{flag}'s variable");
-        // A default `--help` shows is the first code span of the README's cell.
+        // A default `--help` shows is the first code span of the table's cell.
         if let Some(shown) = &knob.default {
             let cell = default.split('`').nth(1).unwrap_or_default();
-            assert_eq!(cell, shown, "{flag}'s default: README says {default}");
+            assert_eq!(
+                cell, shown,
+                "{flag}'s default: docs/configuration.md says {default}"
+            );
         }
     }
     for flag in [

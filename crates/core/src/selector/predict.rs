@@ -484,7 +484,12 @@ impl Selector {
     /// alone, before the predictions'.
     fn prefill_starts_at(&self, booking: &str, now: Instant) -> Instant {
         let load = locked(&self.load);
-        let Some(ahead) = load.booking(booking).map(|b| b.prefill_tokens_ahead) else {
+        // An idle rank, the common case, reads no speeds.
+        let Some(ahead) = load
+            .booking(booking)
+            .map(|b| b.prefill_tokens_ahead)
+            .filter(|&ahead| ahead > 0)
+        else {
             return now;
         };
         let ms = load.speeds(None).prefill_ms(ahead as f64);

@@ -23,7 +23,7 @@ use kvroute_core::selector::{
     WorkerRole, WorkerSpec,
 };
 use rand::rngs::SmallRng;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// Why a request runs whole on a decode engine instead of in two legs (the core's reasons).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -339,14 +339,7 @@ impl PdRouter for KvroutePd {
         now: Instant,
         rng: &mut SmallRng,
     ) -> Result<PdRoute, SimError> {
-        // The service ticks once a second; so does the simulated router.
-        if self
-            .last_tick
-            .is_none_or(|t| now.duration_since(t) >= Duration::from_secs(1))
-        {
-            self.selector.tick(now);
-            self.last_tick = Some(now);
-        }
+        crate::policy::tick_each_second(&mut self.selector, &mut self.last_tick, now);
         let session = session.map(|s| s.to_string());
         let request = SelectRequest {
             session_id: session.as_deref(),

@@ -372,6 +372,7 @@ mod least_loaded;
 mod random;
 mod round_robin;
 mod selector;
+pub(crate) use selector::tick_each_second;
 #[cfg(test)]
 mod tests;
 

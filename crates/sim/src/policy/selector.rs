@@ -93,14 +93,7 @@ impl Router for SelectorRouter {
         now: Instant,
         rng: &mut SmallRng,
     ) -> Result<usize, SimError> {
-        // The service ticks once a second; so does the simulated router.
-        if self
-            .last_tick
-            .is_none_or(|t| now.duration_since(t) >= Duration::from_secs(1))
-        {
-            self.selector.tick(now);
-            self.last_tick = Some(now);
-        }
+        tick_each_second(&mut self.selector, &mut self.last_tick, now);
         let reservation_id = format!("r{id}");
         let session = session.map(|s| s.to_string());
         let request = SelectRequest {
@@ -178,5 +171,18 @@ impl Router for SelectorRouter {
             }
         }
         Ok(())
+    }
+}
+
+/// The service ticks its selector once a second; so does a simulated router (both the
+/// aggregated and the P/D one).
+pub(crate) fn tick_each_second(
+    selector: &mut Selector,
+    last_tick: &mut Option<Instant>,
+    now: Instant,
+) {
+    if last_tick.is_none_or(|t| now.duration_since(t) >= Duration::from_secs(1)) {
+        selector.tick(now);
+        *last_tick = Some(now);
     }
 }
