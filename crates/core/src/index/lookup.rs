@@ -112,8 +112,8 @@ impl RadixIndex {
     /// The sequence hash of the block `rank` holds under `engine_hash`, if it holds one.
     pub fn sequence_hash_of(&self, rank: Rank, engine_hash: u64) -> Option<u64> {
         let &slot = self.slot_of.get(&rank)?;
-        self.live_entry(slot, engine_hash)
-            .map(|entry| self.nodes.get(entry.node()).sequence_hash)
+        self.live_node(slot, engine_hash)
+            .map(|node| self.nodes.get(node).sequence_hash)
     }
 
     /// [`find_matches`](Self::find_matches) for a prompt given by its local hashes.
@@ -130,7 +130,19 @@ impl RadixIndex {
     /// forever.
     pub fn dump(&self) -> Vec<(Rank, KvEvent)> {
         let mut out = Vec::new();
-        for slot in &self.slots {
+        // The implicit holdings of every rank, as entries, in one pass over the nodes.
+        let mut implicit: Vec<Vec<BlockRef>> = vec![Vec::new(); self.slots.len()];
+        for node in 0..self.nodes.len {
+            let Some(engine_hash) = self.nodes.canonical(node) else {
+                continue;
+            };
+            for (slot, mask) in self.nodes.get(node).holders.entries(&self.arena) {
+                if !self.slots[slot as usize].explicit_nodes.contains_key(&node) {
+                    implicit[slot as usize].push(BlockRef::new(engine_hash, node, mask));
+                }
+            }
+        }
+        for (slot, implicit) in self.slots.iter().zip(implicit) {
             let Some(rank) = slot.rank else { continue };
             let mut entries: Vec<BlockRef> = slot
                 .blocks
@@ -140,6 +152,7 @@ impl RadixIndex {
                     r.engine_hash() != predicted_engine_hash(self.nodes.get(r.node()).sequence_hash)
                 })
                 .copied()
+                .chain(implicit)
                 .collect();
             entries.sort_unstable_by_key(|r| r.engine_hash());
             // This rank's engine hash for each node it holds (the smallest, if several).
@@ -246,12 +259,14 @@ impl RadixIndex {
                 table_bytes(s.blocks.capacity(), std::mem::size_of::<BlockRef>())
                     + table_bytes(s.counts.capacity(), 8 + 12)
                     + table_bytes(s.alias_counts.capacity(), 4 + 16)
+                    + table_bytes(s.explicit_nodes.capacity(), 4 + 4)
             })
             .sum::<usize>();
         std::mem::size_of::<Self>()
             + self.nodes.memory_bytes()
             + self.arena.memory_bytes()
             + table_bytes(self.by_sequence.capacity(), 4)
+            + table_bytes(self.by_engine.capacity(), 4)
             + (self.free_nodes.capacity() + self.dead_nodes.capacity()) * 4
             + self.creation_order.memory_bytes()
             + self.slots.capacity() * std::mem::size_of::<RankSlot>()

@@ -5,8 +5,11 @@
 //! - **sequence hash**: a block together with everything before it. A node of the radix tree is
 //!   identified by it: following children by local hash from the root is the same as looking up
 //!   the chained sequence hashes, so the tree is stored flat, `sequence hash → node`.
-//! - **engine hash**: the engine's opaque id for a block, kept per rank only to find the block
-//!   again when the engine removes it or names it as a parent.
+//! - **engine hash**: the engine's opaque id for a block, kept only to find the block again when
+//!   the engine removes it or names it as a parent.
+//! - **canonical engine hash** of a node: the engine hash of the first engine store that created
+//!   or first named it, unless another live node already has that one. Replicas of one model
+//!   name a block alike, so it is usually every holder's engine hash.
 //! - **rank slot**: a dense, partition-local number for each rank, so holder sets can be bitsets.
 //!
 //! ## Operations and costs
@@ -28,22 +31,40 @@
 //! - Memory is bounded by `max_blocks` nodes per index (one index per partition): past it the
 //!   oldest nodes are evicted, counted in the outcome.
 //!
-//! ## Memory (about 45 bytes per `(block, rank)` pair at 1,000 ranks, 60 at 8 on the Mooncake
-//! trace; [`RadixIndex::memory_bytes`] counts every table and vector at its capacity)
+//! ## Implicit entries
+//! A rank that holds a node under the node's canonical engine hash, once per tier, has no entry
+//! of its own: the node's holder set says it holds it (and on which tiers), and `by_engine`
+//! (canonical engine hash → node) finds it from the engine hash. Everything else is an explicit
+//! entry in the rank's table: an engine hash that differs from the node's canonical one (an
+//! engine hashing differently, a conflict, an alias), a second store on one tier (its count),
+//! and the selector's predictions (which never become canonical). A rank's holding of a node is
+//! explicit iff `explicit_nodes` names the node; it turns explicit ("materialized") when it
+//! needs to, never back. Clearing a rank that holds nodes implicitly reads every node's holder
+//! set once (the rank has no list of them): the price of not keeping one per pair.
+//!
+//! ## Memory (20 bytes per `(block, rank)` pair at 7,000 ranks on the Mooncake trace, where
+//! replicas share every hash; [`RadixIndex::memory_bytes`] counts every table and vector at its
+//! capacity)
 //! - A node is 32 bytes: its sequence and local hashes, the low half of its parent's sequence
 //!   hash (enough to find the parent again for [`RadixIndex::dump`], verified by re-chaining), and
 //!   a 12-byte holder set that keeps up to three holders inline (module `holders`); larger sets
 //!   live in an arena. Nodes live in fixed-size chunks, so the node store never over-allocates by
 //!   more than one chunk.
 //! - `sequence hash → node` is a table of 4-byte node numbers (the key is read from the node).
-//! - Each rank maps engine hash → 12-byte entry: node number, the tiers it holds, and a flag when
-//!   some tier was stored more than once (exact counts then live in a small side table).
+//! - Per node 8 bytes of canonical engine hash, and a 4-byte node number in `by_engine`.
+//! - Each rank maps engine hash → 12-byte entry for its explicit holdings only: node number, the
+//!   tiers it holds, and a flag when some tier was stored more than once (exact counts then live
+//!   in a small side table).
 //! - The creation order (for eviction) is 4 bytes a node.
 //!
 //! ## Invariants
 //! - A node is live iff some rank holds it on some tier; its holder set is exact per tier.
 //! - A rank's entry for an engine hash points at one node and holds a store count per tier; the
-//!   holder bit of that tier is set iff the count of some entry of that rank on that node is > 0.
+//!   holder bit of that tier is set iff the count of some entry of that rank on that node is > 0,
+//!   or the rank holds the node implicitly (no entry on it) on that tier, then once.
+//! - A rank holds a node implicitly only if the node has a canonical engine hash; `by_engine`
+//!   holds exactly the live nodes that have one; a rank has at most one holding per engine hash
+//!   (entry or implicit).
 //!   Two engine hashes of one rank on the same node ("aliases") are counted in `alias_counts`.
 //! - A freed node slot is not reused while anything may still point at it: it waits among the
 //!   dead until a purge has dropped the rank entries left pointing at it by an eviction (stale
@@ -61,7 +82,6 @@ mod walk;
 
 use crate::event::{KvEvent, Rank, StoredBlock, Tier};
 use crate::hash::chain;
-use hashbrown::hash_table::Entry;
 use hashbrown::{DefaultHashBuilder, HashMap, HashTable};
 use holders::{ALLOCATION_OVERHEAD, HolderArena, Holders, TierMask};
 use std::collections::VecDeque;
@@ -194,6 +214,10 @@ struct Nodes {
     /// freed): purges test liveness here, in a table that stays in cache, instead of reading
     /// every node a creation record or rank entry names (a cache miss each).
     allocated: Vec<u64>,
+    /// Per slot, chunked like the nodes: the node's canonical engine hash, meaningful while its
+    /// bit in `canonical_valid` is set (see "Implicit entries" in the module documentation).
+    canonical: Vec<Vec<u64>>,
+    canonical_valid: Vec<u64>,
 }
 
 impl Nodes {
@@ -227,6 +251,36 @@ impl Nodes {
         self.set_allocated(slot, true);
     }
 
+    /// The node's canonical engine hash, if it has one.
+    #[inline]
+    fn canonical(&self, node: u32) -> Option<u64> {
+        let valid = self
+            .canonical_valid
+            .get((node >> 6) as usize)
+            .is_some_and(|w| w & (1 << (node & 63)) != 0);
+        valid.then(|| self.canonical_unchecked(node))
+    }
+
+    /// The canonical slot's value whether or not it is valid (for reading ahead).
+    #[inline]
+    fn canonical_unchecked(&self, node: u32) -> u64 {
+        self.canonical[(node >> CHUNK_BITS) as usize][node as usize & (CHUNK - 1)]
+    }
+
+    fn set_canonical(&mut self, node: u32, engine_hash: Option<u64>) {
+        let word = (node >> 6) as usize;
+        if word >= self.canonical_valid.len() {
+            self.canonical_valid.resize(word + 1, 0);
+        }
+        match engine_hash {
+            Some(e) => {
+                self.canonical[(node >> CHUNK_BITS) as usize][node as usize & (CHUNK - 1)] = e;
+                self.canonical_valid[word] |= 1 << (node & 63);
+            }
+            None => self.canonical_valid[word] &= !(1 << (node & 63)),
+        }
+    }
+
     /// Marks a slot freed (its node's holders already cleared).
     fn mark_freed(&mut self, slot: u32) {
         self.set_allocated(slot, false);
@@ -253,6 +307,7 @@ impl Nodes {
                 let mut chunk = Vec::with_capacity(CHUNK);
                 chunk.push(node);
                 self.chunks.push(chunk);
+                self.canonical.push(vec![0; CHUNK]);
             }
         }
         self.len += 1;
@@ -267,7 +322,14 @@ impl Nodes {
             .sum::<usize>()
             + self.chunks.capacity() * std::mem::size_of::<Vec<Node>>()
             + self.allocated.capacity() * 8
-            + ALLOCATION_OVERHEAD
+            + self
+                .canonical
+                .iter()
+                .map(|c| c.capacity() * 8 + ALLOCATION_OVERHEAD)
+                .sum::<usize>()
+            + self.canonical.capacity() * std::mem::size_of::<Vec<u64>>()
+            + self.canonical_valid.capacity() * 8
+            + 2 * ALLOCATION_OVERHEAD
     }
 }
 
@@ -401,6 +463,41 @@ struct RankSlot {
     alias_counts: HashMap<u32, [u32; 4]>,
     /// Entries in `blocks` that point at evicted (dead) nodes; dropped by the next purge.
     stale: usize,
+    /// Live nodes that entries of `blocks` point at, with the number of such entries: the nodes
+    /// this rank holds explicitly. Any other node it holds, it holds implicitly.
+    explicit_nodes: HashMap<u32, u32>,
+    /// Nodes this rank holds implicitly (under their canonical engine hash).
+    implicit: usize,
+}
+
+impl RankSlot {
+    fn explicit_added(&mut self, node: u32) {
+        *self.explicit_nodes.entry(node).or_default() += 1;
+    }
+
+    fn explicit_removed(&mut self, node: u32) {
+        if let Some(c) = self.explicit_nodes.get_mut(&node) {
+            *c -= 1;
+            if *c == 0 {
+                self.explicit_nodes.remove(&node);
+            }
+        }
+    }
+
+    /// `(block, rank)` pairs: live entries plus implicit holdings.
+    fn held(&self) -> usize {
+        self.blocks.len() - self.stale + self.implicit
+    }
+}
+
+/// Where a rank's engine hash points, if anywhere.
+#[derive(Debug, Clone, Copy)]
+enum Resolved {
+    /// An entry of the rank's table (its node may be dead: a stale entry).
+    Explicit(BlockRef),
+    /// A live node held implicitly, with the tiers the rank holds it on.
+    Implicit(u32, TierMask),
+    None,
 }
 
 /// Bytes of a hashbrown table of `capacity` (as reported by the table) with `entry`-byte
@@ -426,6 +523,9 @@ pub struct RadixIndex {
     arena: HolderArena,
     /// The live nodes' numbers, hashed by sequence hash (read from the node).
     by_sequence: HashTable<u32>,
+    /// The live nodes with a canonical engine hash, hashed by it (read from `nodes`): an engine
+    /// hash is the canonical one of at most one live node.
+    by_engine: HashTable<u32>,
     /// Slots free for reuse.
     free_nodes: Vec<u32>,
     /// Freed slots waiting for a purge before reuse (see the module invariants).
@@ -463,23 +563,23 @@ impl RadixIndex {
 
     /// Number of `(block, rank)` pairs held (engine-hash entries, over all tiers).
     pub fn held_pairs(&self) -> usize {
-        self.slots.iter().map(|s| s.blocks.len() - s.stale).sum()
+        self.slots.iter().map(RankSlot::held).sum()
     }
 
     /// Ranks that hold at least one block.
     pub fn ranks(&self) -> Vec<Rank> {
         self.slots
             .iter()
-            .filter(|s| s.blocks.len() > s.stale)
+            .filter(|s| s.held() > 0)
             .filter_map(|s| s.rank)
             .collect()
     }
 
     /// Blocks held by one rank (any tier).
     pub fn rank_block_count(&self, rank: Rank) -> usize {
-        self.slot_of.get(&rank).map_or(0, |&s| {
-            self.slots[s as usize].blocks.len() - self.slots[s as usize].stale
-        })
+        self.slot_of
+            .get(&rank)
+            .map_or(0, |&s| self.slots[s as usize].held())
     }
 
     fn max_live_nodes(&self) -> usize {
@@ -553,15 +653,79 @@ impl RadixIndex {
         outcome
     }
 
-    /// The live entry of `slot` for an engine hash.
-    fn live_entry(&self, slot: u32, engine_hash: u64) -> Option<BlockRef> {
-        self.slots[slot as usize]
-            .blocks
-            .find(self.hasher.hash_one(engine_hash), |e| {
-                e.engine_hash() == engine_hash
-            })
-            .copied()
-            .filter(|e| self.nodes.is_live(e.node()))
+    /// Where `slot`'s engine hash `engine_hash` (whose table hash is `hash`) points: an entry of
+    /// its table, else a node it holds implicitly under that hash.
+    #[inline]
+    fn resolve(&self, slot: u32, engine_hash: u64, hash: u64) -> Resolved {
+        let rank_slot = &self.slots[slot as usize];
+        if !rank_slot.blocks.is_empty()
+            && let Some(entry) = rank_slot
+                .blocks
+                .find(hash, |e| e.engine_hash() == engine_hash)
+        {
+            return Resolved::Explicit(*entry);
+        }
+        let nodes = &self.nodes;
+        match self
+            .by_engine
+            .find(hash, |&n| nodes.canonical_unchecked(n) == engine_hash)
+        {
+            Some(&node) if !rank_slot.explicit_nodes.contains_key(&node) => {
+                match nodes.get(node).holders.mask_of(&self.arena, slot) {
+                    0 => Resolved::None,
+                    mask => Resolved::Implicit(node, mask),
+                }
+            }
+            _ => Resolved::None,
+        }
+    }
+
+    /// The live node `slot` holds under an engine hash.
+    fn live_node(&self, slot: u32, engine_hash: u64) -> Option<u32> {
+        match self.resolve(slot, engine_hash, self.hasher.hash_one(engine_hash)) {
+            Resolved::Explicit(e) if self.nodes.is_live(e.node()) => Some(e.node()),
+            Resolved::Implicit(node, _) => Some(node),
+            _ => None,
+        }
+    }
+
+    /// Makes `node` canonical for `engine_hash` (whose table hash is `hash`). The caller checked
+    /// that the node has no canonical hash and that no live node has this one.
+    fn make_canonical(&mut self, node: u32, engine_hash: u64, hash: u64) {
+        if self.by_engine.len() == self.by_engine.capacity() {
+            self.grow_by_engine();
+        }
+        self.nodes.set_canonical(node, Some(engine_hash));
+        let nodes = &self.nodes;
+        let hasher = &self.hasher;
+        self.by_engine.insert_unique(hash, node, |&n| {
+            hasher.hash_one(nodes.canonical_unchecked(n))
+        });
+    }
+
+    /// Doubles `by_engine` by re-inserting in node order (see [`Self::grow_by_sequence`]).
+    fn grow_by_engine(&mut self) {
+        let nodes = &self.nodes;
+        let hasher = &self.hasher;
+        let hash_of = |&n: &u32| hasher.hash_one(nodes.canonical_unchecked(n));
+        let mut grown = HashTable::with_capacity((self.by_engine.capacity() * 2).max(64));
+        for n in (0..nodes.len).filter(|&n| nodes.canonical(n).is_some()) {
+            grown.insert_unique(hash_of(&n), n, hash_of);
+        }
+        self.by_engine = grown;
+    }
+
+    /// Takes the canonical engine hash of a node being freed out of `by_engine`.
+    fn drop_canonical(&mut self, node: u32) {
+        if let Some(e) = self.nodes.canonical(node) {
+            if let Ok(entry) = self
+                .by_engine
+                .find_entry(self.hasher.hash_one(e), |&n| n == node)
+            {
+                entry.remove();
+            }
+            self.nodes.set_canonical(node, None);
+        }
     }
 
     fn store(
@@ -575,8 +739,8 @@ impl RadixIndex {
         // The previous block's sequence hash and node.
         let (mut previous, mut previous_node) = match parent {
             None => (None, None),
-            Some(parent_hash) => match self.live_entry(slot, parent_hash) {
-                Some(r) => (Some(self.nodes.get(r.node()).sequence_hash), Some(r.node())),
+            Some(parent_hash) => match self.live_node(slot, parent_hash) {
+                Some(node) => (Some(self.nodes.get(node).sequence_hash), Some(node)),
                 None => {
                     outcome.parent_block_not_found += 1;
                     return;
@@ -587,7 +751,7 @@ impl RadixIndex {
         let mut sequence_hashes = [0u64; STORE_CHUNK];
         let mut keys = [(0u64, 0u64); STORE_CHUNK];
         for chunk in blocks.chunks(STORE_CHUNK) {
-            // Warm up: chain the chunk's sequence hashes, then look every block up in both
+            // Warm up: chain the chunk's sequence hashes, then look every block up in the
             // tables back to back, so that their cache misses overlap rather than queue behind
             // each block's bookkeeping. The stores below then find the lines in cache.
             let mut chained = previous;
@@ -612,10 +776,14 @@ impl RadixIndex {
                         .copied()
                 });
                 if let Some(n) = hint {
-                    warm ^= u64::from(n) ^ nodes.get(n).holders.warm(&self.arena);
+                    warm ^= u64::from(n)
+                        ^ nodes.get(n).holders.warm(&self.arena)
+                        ^ nodes.canonical_unchecked(n);
                 }
                 let e = block.engine_hash;
-                if let Some(r) = blocks_of_rank.find(engine_key, |r| r.engine_hash() == e) {
+                if !blocks_of_rank.is_empty()
+                    && let Some(r) = blocks_of_rank.find(engine_key, |r| r.engine_hash() == e)
+                {
                     warm ^= u64::from(r.packed);
                 }
             }
@@ -640,7 +808,8 @@ impl RadixIndex {
     /// need not hold), instead of chaining them under a parent engine hash as a `Stored` event
     /// does: how the selector records the blocks it predicts (under [`predicted_engine_hash`]).
     /// Appends the sequence hashes of the blocks it stored to `stored`. Counted as stores,
-    /// evictions included.
+    /// evictions included. These entries are always explicit: a guess never becomes a node's
+    /// canonical engine hash.
     pub fn store_at(
         &mut self,
         rank: Rank,
@@ -672,7 +841,7 @@ impl RadixIndex {
                     node,
                     (sequence_hash, hash),
                     block.engine_hash,
-                    t,
+                    (t, false),
                     &mut outcome,
                 );
                 stored.push(sequence_hash);
@@ -706,14 +875,15 @@ impl RadixIndex {
             node,
             (sequence_hash, hash),
             block.engine_hash,
-            t,
+            (t, true),
             outcome,
         );
         node
     }
 
-    /// Stores the rank's entry for `engine_hash` (whose table hash is `hash`) on `node`, the
-    /// live node of `sequence_hash`, on tier `t`.
+    /// Stores the rank's holding of `engine_hash` (whose table hash is `hash`) on `node`, the
+    /// live node of `sequence_hash`, on tier `t`. With `canonize`, a node without a canonical
+    /// engine hash may take this one (an engine's store; not the selector's predictions).
     #[inline]
     fn store_entry(
         &mut self,
@@ -721,81 +891,217 @@ impl RadixIndex {
         node: u32,
         (sequence_hash, hash): (u64, u64),
         engine_hash: u64,
-        t: usize,
+        (t, canonize): (usize, bool),
         outcome: &mut ApplyOutcome,
     ) {
         let bit: TierMask = 1 << t;
         let mut transitions = [0i8; 3];
         transitions[t] = 1;
+        outcome.stored_blocks += 1;
+        match self.resolve(slot, engine_hash, hash) {
+            Resolved::Explicit(entry) if entry.node() == node => {
+                // Stored again (a dead node is never the one just looked up, so the entry is
+                // live): raise the count.
+                if let Some(mask) = self.store_again(slot, engine_hash, hash, bit) {
+                    self.update_presence(slot, node, transitions, mask, 0);
+                }
+                return;
+            }
+            Resolved::Explicit(old) => {
+                // Re-pointed to another block, or left stale by an eviction.
+                let rank_slot = &mut self.slots[slot as usize];
+                if let Ok(found) = rank_slot
+                    .blocks
+                    .find_entry(hash, |e| e.engine_hash() == engine_hash)
+                {
+                    found.remove();
+                }
+                if old.multi() {
+                    rank_slot.counts.remove(&engine_hash);
+                }
+                if self.nodes.is_live(old.node()) {
+                    outcome.engine_hash_conflicts += 1;
+                    self.slots[slot as usize].explicit_removed(old.node());
+                    self.release_entry(slot, old);
+                } else {
+                    rank_slot.stale = rank_slot.stale.saturating_sub(1);
+                }
+            }
+            Resolved::Implicit(n, held) if n == node => {
+                if held & bit == 0 {
+                    self.update_presence(slot, node, transitions, held | bit, 0);
+                } else {
+                    // Twice on one tier: the count needs an entry.
+                    self.materialize(slot, node, held);
+                    self.store_again(slot, engine_hash, hash, bit);
+                }
+                return;
+            }
+            Resolved::Implicit(old, held) => {
+                // The rank held this engine hash at another block: it names a new one now.
+                outcome.engine_hash_conflicts += 1;
+                self.slots[slot as usize].implicit -= 1;
+                let mut lost = [0i8; 3];
+                for (i, l) in lost.iter_mut().enumerate() {
+                    if held & (1 << i) != 0 {
+                        *l = -1;
+                    }
+                }
+                self.update_presence(slot, old, lost, 0, -1);
+            }
+            Resolved::None => {}
+        }
+        self.store_new(
+            slot,
+            node,
+            (sequence_hash, hash),
+            engine_hash,
+            (t, canonize),
+            outcome,
+        );
+    }
+
+    /// [`Self::store_entry`] when the rank has nothing under `engine_hash`.
+    fn store_new(
+        &mut self,
+        slot: u32,
+        node: u32,
+        (sequence_hash, hash): (u64, u64),
+        engine_hash: u64,
+        (t, canonize): (usize, bool),
+        outcome: &mut ApplyOutcome,
+    ) {
+        let bit: TierMask = 1 << t;
+        let mut transitions = [0i8; 3];
+        transitions[t] = 1;
+        let held = self.nodes.get(node).holders.mask_of(&self.arena, slot);
+        if held == 0 {
+            if !self.implicit_possible(node, engine_hash, hash, canonize) {
+                self.insert_entry(slot, node, engine_hash, hash, bit);
+            } else {
+                self.slots[slot as usize].implicit += 1;
+            }
+            self.update_presence(slot, node, transitions, bit, 1);
+            return;
+        }
+        if !self.slots[slot as usize].explicit_nodes.contains_key(&node) {
+            // Held implicitly under the node's canonical hash, and now under another: both
+            // become entries, counted as aliases.
+            self.materialize(slot, node, held);
+            self.insert_entry(slot, node, engine_hash, hash, bit);
+            self.update_presence(slot, node, transitions, bit, 1);
+            return;
+        }
         let hasher = &self.hasher;
         let rank_slot = &mut self.slots[slot as usize];
-        let presence = match rank_slot.blocks.entry(
-            hash,
-            |e| e.engine_hash() == engine_hash,
-            |e| hasher.hash_one(e.engine_hash()),
-        ) {
-            Entry::Occupied(mut occupied) => {
-                let entry = *occupied.get();
-                if entry.node() == node {
-                    // Stored again (a dead node is never the one just looked up, so the
-                    // entry is live): raise the count.
-                    let mask = entry.mask();
-                    if entry.multi() {
-                        let counts = rank_slot.counts.entry(engine_hash).or_default();
-                        counts[t] = counts[t].saturating_add(1);
-                    } else if mask & bit != 0 {
-                        let mut counts = [0u32; 3];
-                        for (i, c) in counts.iter_mut().enumerate() {
-                            *c = u32::from(mask & (1 << i) != 0);
-                        }
-                        counts[t] = 2;
-                        rank_slot.counts.insert(engine_hash, counts);
-                        occupied.get_mut().set_multi(true);
-                    }
-                    if mask & bit == 0 {
-                        occupied.get_mut().set_mask(mask | bit);
-                        Some((mask | bit, 0))
-                    } else {
-                        None
-                    }
-                } else {
-                    // Re-pointed to another block, or left stale by an eviction.
-                    let (old, _) = occupied.remove();
-                    if old.multi() {
-                        rank_slot.counts.remove(&engine_hash);
-                    }
-                    if self.nodes.is_live(old.node()) {
-                        outcome.engine_hash_conflicts += 1;
-                        self.release_entry(slot, old);
-                    } else {
-                        rank_slot.stale = rank_slot.stale.saturating_sub(1);
-                    }
-                    self.insert_entry(slot, node, engine_hash, hash, bit);
-                    Some((bit, 1))
-                }
+        if held == bit
+            && t == Tier::Device.index()
+            && adopt_prediction(rank_slot, hasher, sequence_hash, node)
+        {
+            // The engine's holding takes the place of the predicted one: same holders.
+            rank_slot.explicit_removed(node);
+            outcome.adopted_predictions += 1;
+            let other_entries = rank_slot.explicit_nodes.contains_key(&node)
+                || rank_slot.alias_counts.contains_key(&node);
+            if other_entries || !self.implicit_possible(node, engine_hash, hash, canonize) {
+                let hasher = &self.hasher;
+                let rank_slot = &mut self.slots[slot as usize];
+                rank_slot
+                    .blocks
+                    .insert_unique(hash, BlockRef::new(engine_hash, node, bit), |e| {
+                        hasher.hash_one(e.engine_hash())
+                    });
+                rank_slot.explicit_added(node);
+            } else {
+                self.slots[slot as usize].implicit += 1;
             }
-            Entry::Vacant(vacant) => {
-                vacant.insert(BlockRef::new(engine_hash, node, bit));
-                let held = self.nodes.get(node).holders.mask_of(&self.arena, slot);
-                if held == 0 {
-                    Some((bit, 1))
-                } else if held == bit
-                    && t == Tier::Device.index()
-                    && adopt_prediction(rank_slot, hasher, sequence_hash, node)
-                {
-                    // The engine's entry took the place of the predicted one: same holders.
-                    outcome.adopted_predictions += 1;
-                    None
-                } else {
-                    note_alias(rank_slot, node, held);
-                    Some((bit, 1))
-                }
-            }
-        };
-        if let Some((entry_mask, entry_delta)) = presence {
-            self.update_presence(slot, node, transitions, entry_mask, entry_delta);
+            return;
         }
-        outcome.stored_blocks += 1;
+        self.insert_entry(slot, node, engine_hash, hash, bit);
+        self.update_presence(slot, node, transitions, bit, 1);
+    }
+
+    /// Whether a rank that does not hold `node` can hold it implicitly under `engine_hash`: the
+    /// node's canonical hash is that one, or it has none yet and may take it (then it does).
+    fn implicit_possible(
+        &mut self,
+        node: u32,
+        engine_hash: u64,
+        hash: u64,
+        canonize: bool,
+    ) -> bool {
+        match self.nodes.canonical(node) {
+            Some(c) => c == engine_hash,
+            None if canonize => {
+                let nodes = &self.nodes;
+                let taken = self
+                    .by_engine
+                    .find(hash, |&n| nodes.canonical_unchecked(n) == engine_hash)
+                    .is_some();
+                if !taken {
+                    self.make_canonical(node, engine_hash, hash);
+                }
+                !taken
+            }
+            None => false,
+        }
+    }
+
+    /// Turns the rank's implicit holding of `node` (on tiers `held`) into an entry under the
+    /// node's canonical engine hash.
+    fn materialize(&mut self, slot: u32, node: u32, held: TierMask) {
+        let Some(engine_hash) = self.nodes.canonical(node) else {
+            // Implicit holdings exist only under a canonical hash.
+            debug_assert!(
+                false,
+                "an implicit holding of a node without a canonical hash"
+            );
+            return;
+        };
+        let hasher = &self.hasher;
+        let rank_slot = &mut self.slots[slot as usize];
+        rank_slot.blocks.insert_unique(
+            hasher.hash_one(engine_hash),
+            BlockRef::new(engine_hash, node, held),
+            |e| hasher.hash_one(e.engine_hash()),
+        );
+        rank_slot.explicit_added(node);
+        rank_slot.implicit -= 1;
+    }
+
+    /// Raises the store count of the rank's (live) entry for `engine_hash` on the tier `bit`.
+    /// Returns the entry's tiers when it gained this one.
+    fn store_again(
+        &mut self,
+        slot: u32,
+        engine_hash: u64,
+        hash: u64,
+        bit: TierMask,
+    ) -> Option<TierMask> {
+        let t = bit.trailing_zeros() as usize;
+        let rank_slot = &mut self.slots[slot as usize];
+        let entry = rank_slot
+            .blocks
+            .find_mut(hash, |e| e.engine_hash() == engine_hash)?;
+        let mask = entry.mask();
+        if entry.multi() {
+            let counts = rank_slot.counts.entry(engine_hash).or_default();
+            counts[t] = counts[t].saturating_add(1);
+        } else if mask & bit != 0 {
+            let mut counts = [0u32; 3];
+            for (i, c) in counts.iter_mut().enumerate() {
+                *c = u32::from(mask & (1 << i) != 0);
+            }
+            counts[t] = 2;
+            rank_slot.counts.insert(engine_hash, counts);
+            entry.set_multi(true);
+        }
+        if mask & bit == 0 {
+            entry.set_mask(mask | bit);
+            Some(mask | bit)
+        } else {
+            None
+        }
     }
 
     /// Adds a fresh entry (count 1 on the tier `bit`) of `slot` for `node`; the caller updates
@@ -809,6 +1115,7 @@ impl RadixIndex {
             .insert_unique(hash, BlockRef::new(engine_hash, node, bit), |e| {
                 hasher.hash_one(e.engine_hash())
             });
+        rank_slot.explicit_added(node);
         if held != 0 {
             note_alias(rank_slot, node, held);
         }

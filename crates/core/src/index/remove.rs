@@ -18,12 +18,13 @@ impl RadixIndex {
         let mut keys = [0u64; REMOVE_CHUNK];
         let mut found = [u32::MAX; REMOVE_CHUNK];
         for chunk in engine_hashes.chunks(REMOVE_CHUNK) {
-            let blocks_of_rank = &self.slots[slot as usize].blocks;
             for ((k, f), &h) in keys.iter_mut().zip(&mut found).zip(chunk) {
                 *k = self.hasher.hash_one(h);
-                *f = blocks_of_rank
-                    .find(*k, |e| e.engine_hash() == h)
-                    .map_or(u32::MAX, |e| e.node());
+                *f = match self.resolve(slot, h, *k) {
+                    Resolved::Explicit(e) => e.node(),
+                    Resolved::Implicit(node, _) => node,
+                    Resolved::None => u32::MAX,
+                };
             }
             let mut warm = 0u64;
             for &node in &found[..chunk.len()] {
@@ -52,6 +53,31 @@ impl RadixIndex {
     ) {
         let t = tier.index();
         let bit: TierMask = 1 << t;
+        match self.resolve(slot, engine_hash, hash) {
+            Resolved::Explicit(_) => {}
+            Resolved::Implicit(node, mask) => {
+                if mask & bit == 0 {
+                    outcome.unknown_removed_blocks += 1;
+                    return;
+                }
+                outcome.removed_blocks += 1;
+                let mask = mask & !bit;
+                let entry_delta = if mask == 0 {
+                    self.slots[slot as usize].implicit -= 1;
+                    -1
+                } else {
+                    0
+                };
+                let mut transitions = [0i8; 3];
+                transitions[t] = -1;
+                self.update_presence(slot, node, transitions, mask, entry_delta);
+                return;
+            }
+            Resolved::None => {
+                outcome.unknown_removed_blocks += 1;
+                return;
+            }
+        }
         let nodes = &self.nodes;
         let RankSlot {
             blocks,
@@ -99,6 +125,7 @@ impl RadixIndex {
         let mask = mask & !bit;
         let entry_delta = if mask == 0 {
             occupied.remove();
+            self.slots[slot as usize].explicit_removed(entry.node());
             -1
         } else {
             occupied.get_mut().set_mask(mask);
@@ -123,9 +150,28 @@ impl RadixIndex {
                 self.free_node(node);
             }
         }
+        if self.slots[slot as usize].implicit > 0 {
+            // The nodes held implicitly are known only by their holder sets: one pass over
+            // every node (what the per-rank entries saved in memory costs a rare event here).
+            for node in 0..self.nodes.len {
+                if !self.nodes.is_live(node) {
+                    continue;
+                }
+                let n = self.nodes.get_mut(node);
+                if n.holders.mask_of(&self.arena, slot) == 0 {
+                    continue;
+                }
+                n.holders.set_mask(&mut self.arena, slot, 0, rank_slots);
+                if n.holders.is_empty() {
+                    self.free_node(node);
+                }
+            }
+        }
         let rank_slot = &mut self.slots[slot as usize];
         rank_slot.alias_counts = HashMap::new();
         rank_slot.counts = HashMap::new();
+        rank_slot.explicit_nodes = HashMap::new();
+        rank_slot.implicit = 0;
         rank_slot.stale = 0;
         // Keep the allocation when it is modest: a cleared rank usually fills up again.
         blocks.clear();
@@ -141,7 +187,7 @@ impl RadixIndex {
             return 0;
         };
         self.rank_order.retain(|&(_, s)| s != slot);
-        let held = self.slots[slot as usize].blocks.len() - self.slots[slot as usize].stale;
+        let held = self.slots[slot as usize].held();
         self.clear_slot(slot);
         let rank_slot = &mut self.slots[slot as usize];
         rank_slot.rank = None;
@@ -163,6 +209,7 @@ impl RadixIndex {
 
     /// Frees a node whose holder set is (or has just been made) empty.
     pub(super) fn free_node(&mut self, node: u32) {
+        self.drop_canonical(node);
         let n = self.nodes.get_mut(node);
         n.holders.clear(&mut self.arena);
         let hash = self.hasher.hash_one(n.sequence_hash);
@@ -227,11 +274,11 @@ impl RadixIndex {
     pub(super) fn evict_node(&mut self, node: u32) {
         for (slot, _) in self.nodes.get(node).holders.entries(&self.arena) {
             let rank_slot = &mut self.slots[slot as usize];
-            let entries = rank_slot
-                .alias_counts
-                .remove(&node)
-                .map_or(1, |c| c[3] as usize);
-            rank_slot.stale += entries;
+            rank_slot.alias_counts.remove(&node);
+            match rank_slot.explicit_nodes.remove(&node) {
+                Some(entries) => rank_slot.stale += entries as usize,
+                None => rank_slot.implicit -= 1,
+            }
         }
         self.stale_entries = true;
         self.free_node(node);

@@ -557,6 +557,7 @@ fn run_ops(ops: &[Op]) -> Result<(), TestCaseError> {
             }
         }
         prop_assert_eq!(index.held_pairs(), reference.held_pairs());
+        check_implicit(&index)?;
     }
     // The dump re-creates an index that answers every lookup the same way.
     let mut restored = RadixIndex::default();
@@ -577,10 +578,41 @@ fn run_ops(ops: &[Op]) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// The bookkeeping of implicit holdings: each rank's count equals the holders of live nodes it
+/// has no entry for, such holdings are only of nodes with a canonical engine hash, and
+/// `by_engine` holds exactly the live nodes with one.
+fn check_implicit(index: &RadixIndex) -> Result<(), TestCaseError> {
+    let mut implicit = vec![0usize; index.slots.len()];
+    let mut canonical = 0;
+    for n in (0..index.nodes.len).filter(|&n| index.nodes.is_allocated(n)) {
+        let has = index.nodes.canonical(n);
+        if let Some(e) = has {
+            canonical += 1;
+            let key = index.hasher.hash_one(e);
+            prop_assert_eq!(index.by_engine.find(key, |&m| m == n), Some(&n));
+        }
+        for (slot, _) in index.nodes.get(n).holders.entries(&index.arena) {
+            if !index.slots[slot as usize].explicit_nodes.contains_key(&n) {
+                prop_assert!(
+                    has.is_some(),
+                    "implicit holding of a node without a canonical hash"
+                );
+                implicit[slot as usize] += 1;
+            }
+        }
+    }
+    prop_assert_eq!(index.by_engine.len(), canonical);
+    for (slot, want) in index.slots.iter().zip(implicit) {
+        prop_assert_eq!(slot.implicit, want);
+    }
+    Ok(())
+}
+
 /// With a tiny block cap, blocks are evicted under every kind of operation. The capped index
 /// diverges from the uncapped model (an evicted parent drops later events), so each lookup is
 /// checked against the reference model rebuilt from the index's own dump, and the held pairs
-/// against the entries that point at live blocks.
+/// against the entries that point at live blocks plus the implicit holdings read off the holder
+/// sets (a holder of a node it has no entry for).
 fn run_ops_capped(ops: &[Op]) -> Result<(), TestCaseError> {
     let mut index = RadixIndex::new(IndexConfig { max_blocks: 5 });
     for op in ops {
@@ -631,8 +663,24 @@ fn run_ops_capped(ops: &[Op]) -> Result<(), TestCaseError> {
                     .filter(|e| index.nodes.is_live(e.node()))
                     .count()
             })
-            .sum();
+            .sum::<usize>()
+            + (0..index.nodes.len)
+                .filter(|&n| index.nodes.is_live(n))
+                .flat_map(|n| {
+                    let index = &index;
+                    index
+                        .nodes
+                        .get(n)
+                        .holders
+                        .entries(&index.arena)
+                        .into_iter()
+                        .filter(move |&(slot, _)| {
+                            !index.slots[slot as usize].explicit_nodes.contains_key(&n)
+                        })
+                })
+                .count();
         prop_assert_eq!(index.held_pairs(), held);
+        check_implicit(&index)?;
     }
     Ok(())
 }
