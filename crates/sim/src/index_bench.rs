@@ -16,6 +16,14 @@
 //! 5. Operations are sorted stably by deadline, lookups before events at equal deadlines, then
 //!    by worker and by their order on their engine.
 //!
+//! With `spread_ms` (0: off), arrivals the trace records at one instant are spread over the
+//! trace's resolution instead: each request's timestamp moves later by a uniform draw in
+//! `[0, spread_ms)` before step 1, the requests of one recorded instant keeping their order (the
+//! Mooncake traces record whole seconds, so a second's requests would otherwise arrive at the
+//! same nanosecond), and each worker of step 4 (copies
+//! included) shifts its whole timeline later by its own draw in the same range, scaled as in
+//! step 3 (copies of one engine would not run in lockstep). Seeded like the rest.
+//!
 //! Pure and deterministic: the same trace, options and seed give the same schedule.
 
 use crate::engine::{Engine, EngineConfig};
@@ -42,6 +50,9 @@ pub struct IndexBenchSpec {
     pub engine: EngineConfig,
     /// Keep only the first N requests of the trace.
     pub max_requests: Option<usize>,
+    /// Spread of arrivals and worker timelines over the trace's resolution, in trace
+    /// milliseconds (module documentation); 0 replays the timestamps as recorded.
+    pub spread_ms: f64,
 }
 
 impl IndexBenchSpec {
@@ -66,6 +77,12 @@ impl IndexBenchSpec {
             return Err(SimError::invalid(
                 "rate-scale",
                 format!("must be a positive number, got {}", self.rate_scale),
+            ));
+        }
+        if !(self.spread_ms.is_finite() && self.spread_ms >= 0.0) {
+            return Err(SimError::invalid(
+                "spread-ms",
+                format!("must be a number at least 0, got {}", self.spread_ms),
             ));
         }
         self.engine.validate()
@@ -161,6 +178,22 @@ pub fn build_schedule(
 ) -> Result<IndexSchedule, SimError> {
     spec.validate()?;
     let mut rows = rows.to_vec();
+    // A separate stream, so that the sessions' assignment does not depend on the spread.
+    let mut spread_rng = SmallRng::seed_from_u64(spec.seed ^ 0x5350_5245_4144);
+    if spec.spread_ms > 0.0 {
+        // The requests of one recorded instant keep their order (a session's turns too): they
+        // take that many draws, sorted.
+        let mut draws = Vec::new();
+        for group in rows.chunk_by_mut(|a, b| a.timestamp == b.timestamp) {
+            draws.clear();
+            draws.extend((0..group.len()).map(|_| spread_rng.random::<f64>() * spec.spread_ms));
+            draws.sort_by(f64::total_cmp);
+            for (row, draw) in group.iter_mut().zip(&draws) {
+                row.timestamp += draw;
+            }
+        }
+        rows.sort_by(|a, b| a.timestamp.total_cmp(&b.timestamp));
+    }
     sessions_by_opening(&mut rows);
     let workload = mooncake_workload(
         "index-bench",
@@ -209,13 +242,23 @@ pub fn build_schedule(
         0.0
     };
     let base_counts = schedule.counts;
+    // Each worker's shift (module documentation), in schedule nanoseconds.
+    let shift_of: Vec<u64> = (0..spec.workers * spec.duplication)
+        .map(|_| {
+            if spec.spread_ms > 0.0 {
+                (spread_rng.random::<f64>() * spec.spread_ms * 1e6 * factor).round() as u64
+            } else {
+                0
+            }
+        })
+        .collect();
     let mut ops = Vec::new();
     for (engine, timeline) in timelines.iter().enumerate() {
         for &(t, order, kind) in timeline {
             let deadline_nanos = ((t - first) as f64 * factor).round() as u64;
             for r in 0..spec.duplication {
                 ops.push((
-                    deadline_nanos,
+                    deadline_nanos + shift_of[engine + r * spec.workers],
                     matches!(kind, OpKind::Events { .. }),
                     (engine + r * spec.workers) as u64,
                     order,
@@ -245,7 +288,8 @@ pub fn build_schedule(
         batches: base_counts.batches * d,
     };
     schedule.total_workers = (spec.workers * spec.duplication) as u64;
-    schedule.span_nanos = span_nanos;
+    // The shifts may reach past the window.
+    schedule.span_nanos = span_nanos.max(schedule.ops.last().map_or(0, |o| o.deadline_nanos));
     Ok(schedule)
 }
 
@@ -340,6 +384,7 @@ mod tests {
                 ..EngineConfig::default()
             },
             max_requests: None,
+            spread_ms: 0.0,
         }
     }
 
@@ -369,6 +414,62 @@ mod tests {
                 .windows(2)
                 .all(|w| w[0].deadline_nanos <= w[1].deadline_nanos)
         );
+    }
+
+    #[test]
+    fn spread_separates_one_instants_arrivals_and_the_copies_but_keeps_the_work() {
+        // Four requests recorded at one instant, plus a later one.
+        let mut rows = rows();
+        for row in rows.iter_mut().take(2) {
+            row.timestamp = 0.0;
+        }
+        rows[2].timestamp = 0.0;
+        let still = build_schedule(&rows, &spec(2, 3)).expect("builds");
+        let mut s = spec(2, 3);
+        s.spread_ms = 1000.0;
+        let spread = build_schedule(&rows, &s).expect("builds");
+        // The same lookups and blocks (the engines may batch them into other steps).
+        assert_eq!(spread.counts.lookups, still.counts.lookups);
+        assert_eq!(spread.counts.lookup_blocks, still.counts.lookup_blocks);
+        assert_eq!(spread.counts.stored_blocks, still.counts.stored_blocks);
+        let lookup_deadlines = |schedule: &IndexSchedule| {
+            let mut d: Vec<u64> = schedule
+                .ops
+                .iter()
+                .filter(|o| matches!(o.kind, OpKind::Lookup { .. }))
+                .map(|o| o.deadline_nanos)
+                .collect();
+            d.dedup();
+            d.len()
+        };
+        // As recorded, the three requests of instant 0 and their copies share one deadline.
+        assert!(
+            lookup_deadlines(&still) <= 2,
+            "{}",
+            lookup_deadlines(&still)
+        );
+        assert!(
+            lookup_deadlines(&spread) >= 10,
+            "{}",
+            lookup_deadlines(&spread)
+        );
+        assert!(
+            spread
+                .ops
+                .windows(2)
+                .all(|w| w[0].deadline_nanos <= w[1].deadline_nanos)
+        );
+        assert_eq!(
+            spread.span_nanos,
+            spread
+                .ops
+                .last()
+                .map_or(0, |o| o.deadline_nanos)
+                .max(1_000_000_000)
+        );
+        // Seeded: the same spec gives the same schedule.
+        let again = build_schedule(&rows, &s).expect("builds");
+        assert_eq!(again.ops, spread.ops);
     }
 
     #[test]

@@ -62,6 +62,13 @@ pub struct IndexBenchArgs {
     /// Keep only the first N requests of the trace.
     #[arg(long)]
     pub max_requests: Option<usize>,
+    /// Spread arrivals over the trace's resolution, in trace milliseconds: each request's
+    /// timestamp moves later by a seeded uniform draw below this, and each worker (copies
+    /// included) its whole timeline. 0 replays the timestamps as recorded (the Mooncake traces
+    /// record whole seconds, so a second's requests arrive at one instant); 1000 spreads them
+    /// over their second.
+    #[arg(long, default_value_t = 0.0)]
+    pub spread_ms: f64,
     /// Threads issuing lookups (lookups are dealt to them round robin); events have one thread,
     /// as the service's applier. The default, one, makes one thread a core on two cores.
     #[arg(long, default_value_t = 1)]
@@ -98,6 +105,7 @@ impl IndexBenchArgs {
                 ..EngineConfig::default()
             },
             max_requests: self.max_requests,
+            spread_ms: self.spread_ms,
         })
     }
 }
@@ -195,6 +203,7 @@ fn run_index(args: &IndexBenchArgs) -> Result<(), String> {
             "total_workers": schedule.total_workers,
             "window_secs": args.window_secs,
             "rate_scale": args.rate_scale,
+            "spread_ms": args.spread_ms,
             "block_size": args.block_size,
             "num_gpu_blocks": args.num_gpu_blocks,
             "seed": args.seed,

@@ -71,6 +71,11 @@ pub struct ReplayReport {
     pub lookup_service: Latencies,
     /// Lookups: from the deadline to the answer (issue lag and lock wait included).
     pub lookup_scheduled_to_done: Latencies,
+    /// Lookups: from the deadline to asking for the read lock (a thread still busy with earlier
+    /// lookups, or woken late, comes late).
+    pub lookup_issue_lag: Latencies,
+    /// Lookups: from asking for the read lock to holding it.
+    pub lookup_lock_wait: Latencies,
     /// Event batches: from the deadline to the end of the hold that applied it.
     pub apply_scheduled_to_done: Latencies,
     /// Write-lock holds, from asking for the lock to releasing it.
@@ -188,6 +193,8 @@ pub fn replay(
                 scope.spawn(move || {
                     let mut service = Latencies::default();
                     let mut scheduled = Latencies::default();
+                    let mut lag = Latencies::default();
+                    let mut lock_wait = Latencies::default();
                     let mut matched = 0u64;
                     for op in lookups.iter().skip(lane).step_by(lookup_threads) {
                         let OpKind::Lookup { prompt } = op.kind else {
@@ -195,8 +202,11 @@ pub fn replay(
                         };
                         let deadline = start + Duration::from_nanos(op.deadline_nanos);
                         wait_until(deadline);
+                        let asked = Instant::now();
                         let guard = read_spinning(lock);
                         let began = Instant::now();
+                        lag.push(asked - deadline);
+                        lock_wait.push(began - asked);
                         let answer =
                             guard.index_overlaps(partition, &schedule.prompts[prompt as usize]);
                         drop(guard);
@@ -205,7 +215,7 @@ pub fn replay(
                         service.push(done - began);
                         scheduled.push(done - deadline);
                     }
-                    (service, scheduled, matched, start.elapsed())
+                    (service, scheduled, lag, lock_wait, matched, start.elapsed())
                 })
             })
             .collect();
@@ -213,11 +223,13 @@ pub fn replay(
             .join()
             .map_err(|_| "the events thread panicked".to_string())?;
         for lane in lanes {
-            let (service, scheduled, matched, done) = lane
+            let (service, scheduled, lag, lock_wait, matched, done) = lane
                 .join()
                 .map_err(|_| "a lookup thread panicked".to_string())?;
             report.lookup_service.0.extend(service.0);
             report.lookup_scheduled_to_done.0.extend(scheduled.0);
+            report.lookup_issue_lag.0.extend(lag.0);
+            report.lookup_lock_wait.0.extend(lock_wait.0);
             report.matched_ranks += matched;
             report.lookups_done = report.lookups_done.max(done);
         }
@@ -230,6 +242,8 @@ pub fn replay(
     for l in [
         &mut report.lookup_service,
         &mut report.lookup_scheduled_to_done,
+        &mut report.lookup_issue_lag,
+        &mut report.lookup_lock_wait,
         &mut report.apply_scheduled_to_done,
         &mut report.hold,
     ] {
@@ -311,6 +325,8 @@ impl ReplayReport {
             "achieved_block_ops_per_sec": self.rate(c.block_ops(), self.wall),
             "lookup_service": self.lookup_service.json(),
             "lookup_scheduled_to_done": self.lookup_scheduled_to_done.json(),
+            "lookup_issue_lag": self.lookup_issue_lag.json(),
+            "lookup_lock_wait": self.lookup_lock_wait.json(),
             "apply_scheduled_to_done": self.apply_scheduled_to_done.json(),
             "write_hold": self.hold.json(),
             "mean_matched_ranks": self.matched_ranks as f64 / c.lookups.max(1) as f64,
@@ -383,6 +399,8 @@ impl ReplayReport {
         };
         out += &line("lookup service", &self.lookup_service);
         out += &line("lookup scheduled-to-done", &self.lookup_scheduled_to_done);
+        out += &line("  of which issue lag", &self.lookup_issue_lag);
+        out += &line("  of which lock wait", &self.lookup_lock_wait);
         out += &line("apply scheduled-to-done", &self.apply_scheduled_to_done);
         out += &line("write-lock hold", &self.hold);
         out += &format!(

@@ -53,6 +53,7 @@ fn args(trace: &std::path::Path) -> IndexBenchArgs {
         num_gpu_blocks: 96,
         seed: 3,
         max_requests: None,
+        spread_ms: 0.0,
         verify_sample: 10_000,
         lookup_threads: 2,
         json: None,
