@@ -92,6 +92,9 @@ pub struct ReplayReport {
     pub index_bytes: usize,
     /// CPU time the process used during the replay (all threads), when known.
     pub cpu_secs: Option<f64>,
+    /// After the replay: deleting worker 0 (its blocks leave the index), the write-lock hold a
+    /// deregistration or an engine's `Cleared` costs at this size.
+    pub delete_worker: Duration,
 }
 
 fn wait_until(deadline: Instant) {
@@ -259,6 +262,12 @@ pub fn replay(
         report.held_pairs = pairs;
     }
     report.index_bytes = selector.index_memory_bytes(partition).unwrap_or(0);
+    let mut selector = selector;
+    let began = Instant::now();
+    selector
+        .delete_worker(0)
+        .map_err(|e| format!("deleting worker 0: {e}"))?;
+    report.delete_worker = began.elapsed();
     Ok(report)
 }
 
@@ -329,6 +338,7 @@ impl ReplayReport {
             "lookup_lock_wait": self.lookup_lock_wait.json(),
             "apply_scheduled_to_done": self.apply_scheduled_to_done.json(),
             "write_hold": self.hold.json(),
+            "delete_worker_us": self.delete_worker.as_secs_f64() * 1e6,
             "mean_matched_ranks": self.matched_ranks as f64 / c.lookups.max(1) as f64,
             "index": {
                 "indexed_blocks": self.indexed_blocks,
@@ -403,6 +413,10 @@ impl ReplayReport {
         out += &line("  of which lock wait", &self.lookup_lock_wait);
         out += &line("apply scheduled-to-done", &self.apply_scheduled_to_done);
         out += &line("write-lock hold", &self.hold);
+        out += &format!(
+            "deleting one worker afterwards: {:.1} ms\n",
+            self.delete_worker.as_secs_f64() * 1e3
+        );
         out += &format!(
             "index: {} blocks, {} (block, worker) pairs, {:.1} MiB estimated, {:.1} bytes/pair; peak RSS {}\n",
             self.indexed_blocks,

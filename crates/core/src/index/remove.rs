@@ -150,10 +150,15 @@ impl RadixIndex {
                 self.free_node(node);
             }
         }
-        if self.slots[slot as usize].implicit > 0 {
-            // The nodes held implicitly are known only by their holder sets: one pass over
-            // every node (what the per-rank entries saved in memory costs a rare event here).
+        let mut implicit = self.slots[slot as usize].implicit;
+        if implicit > 0 {
+            // The nodes held implicitly are known only by their holder sets: a pass over the
+            // nodes until all are found (what the per-rank entries saved in memory costs this
+            // rare event).
             for node in 0..self.nodes.len {
+                if implicit == 0 {
+                    break;
+                }
                 if !self.nodes.is_live(node) {
                     continue;
                 }
@@ -162,6 +167,7 @@ impl RadixIndex {
                     continue;
                 }
                 n.holders.set_mask(&mut self.arena, slot, 0, rank_slots);
+                implicit -= 1;
                 if n.holders.is_empty() {
                     self.free_node(node);
                 }
