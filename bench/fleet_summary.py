@@ -117,7 +117,8 @@ if reg_rows:
     same = ("Both servers got the same registrations (ids 1..=W, block size 64"
             + (f"; KV-event endpoints for ids 1..={a.event_workers:,} only, the rest registered without one"
                if a.event_workers is not None else "") + ").")
-    lines += ["**Registration and memory** (one keep-alive client; RSS and open files after the listeners settle). " + same, "",
+    lines += ["**Registration and memory** (one keep-alive client; RSS and open files after the listeners settle, "
+              "before any fake engine listens: no KV-event connection is counted). " + same, "",
               "| W | workers added | kvroute lifecycles | Dynamo lifecycles | kvroute registrations/s | Dynamo | kvroute RSS MiB | Dynamo RSS MiB | kvroute KiB per added worker | Dynamo | kvroute open files | Dynamo open files |",
               "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|", *reg_rows, "", *failures, ""]
 
