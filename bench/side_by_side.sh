@@ -6,7 +6,7 @@
 #   INGEST_FREE=1 bench/side_by_side.sh   # also a cycle run per server without KV-event ingest
 #   ISOLATED=0 bench/side_by_side.sh      # without the cycle rounds on separate cores
 #   FLEET_ONLY=1 bench/side_by_side.sh    # only the fleet phase ("Select by W", below)
-#   FLEET_EVENT_WORKERS=1000 ...           # workers given a KV-event endpoint there (1,800)
+#   FLEET_EVENT_WORKERS=1000 ...          # workers given a KV-event endpoint there (1,800)
 #   FLEET=0 bench/side_by_side.sh         # without it
 #
 # Dynamo's service binds 0.0.0.0 with no option to change it, so both servers and the load
