@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The fleet phase of side_by_side.sh as one table, "Select by W" (stdlib only).
 
-    fleet_summary.py --dir RUNS --workers "64 1000 4000" --concurrency 32 --out results/fleet-DATE
+    fleet_summary.py --dir RUNS --workers "64 1000 4000" --concurrency 32 --event-workers 1800 \
+        --out results/fleet-DATE
 
 Reads the load generator's runs labelled `<server>-<mode>-rfleet-<iso|shared>-<W>`, the
 registrations `fleet/<server>-register-<W>.json` (bench/fleet_register.py) and the in-process
@@ -13,6 +14,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--dir", required=True)
 p.add_argument("--workers", required=True)
 p.add_argument("--concurrency", type=int, required=True)
+p.add_argument("--event-workers", type=int, default=None)
 p.add_argument("--out", required=True)
 a = p.parse_args()
 
@@ -53,7 +55,16 @@ def f(x, spec=",.0f", none="—"):
 
 
 workers = [int(w) for w in a.workers.split()]
-out = {"workers": workers, "concurrency": a.concurrency, "points": []}
+out = {"workers": workers, "event_workers": a.event_workers, "concurrency": a.concurrency, "points": []}
+
+
+def w_label(w):
+    """W, with how many of its workers have a KV-event endpoint (are schedulable) when not all."""
+    if a.event_workers is not None and w > a.event_workers:
+        return f"{w:,} ({a.event_workers:,} with KV events)"
+    return f"{w:,}"
+
+
 lines = []
 for placement, title in (("iso", "load generator on its own core (the configuration that counts)"),
                          ("shared", "load generator sharing the servers' cores")):
@@ -68,7 +79,7 @@ for placement, title in (("iso", "load generator on its own core (the configurat
         out["points"].append(point)
         ks, ds, kc, dc = (point.get(k) or {} for k in ("kvroute_select", "dynamo_select", "kvroute_cycle", "dynamo_cycle"))
         rows.append(
-            f"| {w:,} | {f(ks.get('rps'))} | {f(ks.get('p99_us'))} | {f(ds.get('rps'))} | {f(ds.get('p99_us'))} "
+            f"| {w_label(w)} | {f(ks.get('rps'))} | {f(ks.get('p99_us'))} | {f(ds.get('rps'))} | {f(ds.get('p99_us'))} "
             f"| {f(ratio(ks.get('rps'), ds.get('rps')), '.1f')}× | {f(ratio(ks.get('p99_us'), ds.get('p99_us')), '.2f')} "
             f"| {f(kc.get('rps'))} | {f(dc.get('rps'))} | {f(ratio(kc.get('rps'), dc.get('rps')), '.1f')}× "
             f"| {f(kc.get('p99_us'))} | {f(dc.get('p99_us'))} |")
@@ -90,14 +101,26 @@ for w in workers:
             failures.append(f"- {name} failed registering up to {w:,} workers "
                             f"({'still answering' if r['alive'] else 'process gone'}): "
                             f"`{plain(r['log'])[-200:]}`")
+    def lc(r):
+        c = r.get("lifecycles")
+        return "—" if not c else ", ".join(f"{n:,} {k}" for k, n in sorted(c.items()))
+    if k.get("lifecycles") and d.get("lifecycles") and k["lifecycles"] != d["lifecycles"]:
+        failures.append(f"- at {w:,} the servers gave the same registrations different lifecycles "
+                        f"(workers without a KV-event endpoint): kvroute {lc(k)}, Dynamo {lc(d)}")
     reg_rows.append(
-        f"| {w:,} | {f(k.get('workers_added'))} | {f(k.get('registrations_per_s'))} | {f(d.get('registrations_per_s'))} "
+        f"| {w_label(w)} | {f(k.get('workers_added'))} | {lc(k)} | {lc(d)} "
+        f"| {f(k.get('registrations_per_s'))} | {f(d.get('registrations_per_s'))} "
         f"| {f(mib(k), ',.1f')} | {f(mib(d), ',.1f')} "
-        f"| {f(k.get('rss_per_worker_kib'), ',.1f')} | {f(d.get('rss_per_worker_kib'), ',.1f')} |")
+        f"| {f(k.get('rss_per_worker_kib'), ',.1f')} | {f(d.get('rss_per_worker_kib'), ',.1f')} "
+        f"| {f(k.get('open_files_after'))} | {f(d.get('open_files_after'))} |")
 if reg_rows:
-    lines += ["**Registration and memory** (one keep-alive client; RSS after the listeners settle):", "",
-              "| W | workers added | kvroute registrations/s | Dynamo | kvroute RSS MiB | Dynamo RSS MiB | kvroute KiB per added worker | Dynamo |",
-              "|---:|---:|---:|---:|---:|---:|---:|---:|", *reg_rows, "", *failures, ""]
+    same = ("Both servers got the same registrations (ids 1..=W, block size 64"
+            + (f"; KV-event endpoints for ids 1..={a.event_workers:,} only, the rest registered without one"
+               if a.event_workers is not None else "") + ").")
+    lines += ["**Registration and memory** (one keep-alive client; RSS and open files after the listeners settle, "
+              "before any fake engine listens: no KV-event connection is counted). " + same, "",
+              "| W | workers added | kvroute lifecycles | Dynamo lifecycles | kvroute registrations/s | Dynamo | kvroute RSS MiB | Dynamo RSS MiB | kvroute KiB per added worker | Dynamo | kvroute open files | Dynamo open files |",
+              "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|", *reg_rows, "", *failures, ""]
 
 inproc = load(os.path.join(a.dir, "fleet", "inprocess.json"))
 if inproc:

@@ -6,6 +6,7 @@
 #   INGEST_FREE=1 bench/side_by_side.sh   # also a cycle run per server without KV-event ingest
 #   ISOLATED=0 bench/side_by_side.sh      # without the cycle rounds on separate cores
 #   FLEET_ONLY=1 bench/side_by_side.sh    # only the fleet phase ("Select by W", below)
+#   FLEET_EVENT_WORKERS=1000 ...          # workers given a KV-event endpoint there (1,800)
 #   FLEET=0 bench/side_by_side.sh         # without it
 #
 # Dynamo's service binds 0.0.0.0 with no option to change it, so both servers and the load
@@ -50,6 +51,15 @@ ENGINE_NICE="${ENGINE_NICE:-19}"
 FLEET="${FLEET:-1}"
 FLEET_ONLY="${FLEET_ONLY:-0}"
 FLEET_WORKERS="${FLEET_WORKERS:-64 1000 4000}"
+# Only workers 1..=FLEET_EVENT_WORKERS get a KV-event endpoint (and a fake engine); the others
+# are registered without one, with the same bodies on both servers. Dynamo lists those as
+# incomplete (not schedulable), kvroute schedules them on load alone: at 4,000 kvroute picks
+# among 4,000 workers and Dynamo among 1,800 (the summary prints each server's lifecycles).
+# Dynamo 1.6.1 holds ten file descriptors per schedulable rank (a ZMQ context each, measured
+# with `ls /proc/PID/fd`: the same whether the endpoint is the worker's own, shared with other
+# workers, ipc:// or has no listener; a worker without one is not schedulable), so it aborts
+# near 2,000 under this machine's 20,000-file limit; 1,800 leaves it ~1,900 spare.
+FLEET_EVENT_WORKERS="${FLEET_EVENT_WORKERS:-1800}"
 FLEET_DURATION="${FLEET_DURATION:-5}"
 INPROCESS_SECONDS="${INPROCESS_SECONDS:-3}"
 # Fleet engines' ports: base + worker id, up to 4,000 each, clear of the bases below and of
@@ -345,8 +355,10 @@ engine_nice=0 storm_run storm-colocated
 fi # FLEET_ONLY
 
 # Select by W: the same servers with more and more workers registered (ids 1..=W, one
-# partition, each with its own fake engine), so each point's index holds what the earlier ones
-# published. Per W: registration (latency and resident memory per worker added), then /select
+# partition; ids up to FLEET_EVENT_WORKERS with a fake engine each, the rest without a KV-event
+# endpoint), so each point's index holds what the earlier ones published. Both servers get
+# exactly the same registrations (fleet_register.py, same ids and bodies; the lifecycles each
+# gave, and its open files, are in the summary). Per W: registration (latency and resident memory per worker added), then /select
 # and the cycle with C connections, isolated first (the configuration the targets count), then
 # shared, A B / B A by mode.
 # A server that fails to register a point's workers (Dynamo 1.6.1 aborts near 2,000 workers
@@ -363,7 +375,7 @@ if [ "$FLEET" = 1 ]; then
       port=$KV_PORT pid=$KV_PID base=$FLEET_KV_EVENTS_BASE log=$workdir/kvroute.log
       [ "$name" = dynamo ] && port=$DYN_PORT pid=$DYN_PID base=$FLEET_DYN_EVENTS_BASE log=$workdir/dynamo.log
       if ! in_ns python3 "$here/fleet_register.py" --port "$port" --from $((registered + 1)) --to "$W" \
-        --events-base "$base" --pid "$pid" --out "$workdir/fleet/$name-register-$W.json" 2>/dev/null; then
+        --events-base "$base" --event-workers "$FLEET_EVENT_WORKERS" --pid "$pid" --out "$workdir/fleet/$name-register-$W.json" 2>/dev/null; then
         failed[$name]=$W
         reason=$(grep -v "Selected worker" "$log" | tail -n 3 | cut -c1-300 | tr '\n' ' ')
         echo "   $name failed registering up to $W workers (alive: $([ -d "/proc/$pid" ] && echo yes || echo no)): $reason"
@@ -390,7 +402,7 @@ if [ "$FLEET" = 1 ]; then
           port=$KV_PORT; [ "$name" = dynamo ] && port=$DYN_PORT
           loadgen_cpus="$cpus" WORKERS=$W DURATION=$FLEET_DURATION \
             KV_EVENTS_BASE=$FLEET_KV_EVENTS_BASE DYN_EVENTS_BASE=$FLEET_DYN_EVENTS_BASE \
-            run "$name" "$port" "$mode" "fleet-$placement-$W" 0
+            run "$name" "$port" "$mode" "fleet-$placement-$W" 0 --event-workers "$FLEET_EVENT_WORKERS"
         done
       done
     done
@@ -404,7 +416,7 @@ if [ "$FLEET" = 1 ]; then
     "${inprocess_trace[@]}" --out "$workdir/fleet/inprocess.json"
   fleet_out="$here/results/fleet-$stamp"
   python3 "$here/fleet_summary.py" --dir "$workdir" --workers "$FLEET_WORKERS" \
-    --concurrency "$CONCURRENCY" --out "$fleet_out"
+    --concurrency "$CONCURRENCY" --event-workers "$FLEET_EVENT_WORKERS" --out "$fleet_out"
   say "wrote $fleet_out.json and $fleet_out.md"
 fi
 [ "$FLEET_ONLY" = 1 ] && { say "done"; exit 0; }

@@ -61,10 +61,10 @@ fn events(metrics: &str, labels: &[&str]) -> f64 {
         .sum()
 }
 
-#[test]
-fn cycle_run_books_everything_and_its_engines_events_all_apply() {
+/// A `kvroute serve` on a free port, once it listens.
+fn serve() -> (Serve, u16) {
     let port = free_port();
-    let _server = Serve(
+    let server = Serve(
         Command::new(env!("CARGO_BIN_EXE_kvroute"))
             .args(["serve", "--port", &port.to_string()])
             .stdout(Stdio::null())
@@ -77,6 +77,83 @@ fn cycle_run_books_everything_and_its_engines_events_all_apply() {
         assert!(Instant::now() < deadline, "kvroute serve never listened");
         std::thread::sleep(Duration::from_millis(50));
     }
+    (server, port)
+}
+
+fn get(port: u16, path: &str) -> String {
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    use std::io::{Read, Write};
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut text = String::new();
+    stream.read_to_string(&mut text).unwrap();
+    text
+}
+
+#[test]
+fn event_workers_bounds_the_endpoints_registered_and_the_engines() {
+    let (_server, port) = serve();
+    let events_base = free_port_run(2);
+    let out = std::env::temp_dir().join(format!("kvroute-loadgen-ew-{port}.json"));
+    let status = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args([
+            "loadgen",
+            "--url",
+            &format!("http://127.0.0.1:{port}"),
+            "--workers",
+            "5",
+            "--event-workers",
+            "2",
+            "--events-base-port",
+            &events_base.to_string(),
+            "--concurrency",
+            "2",
+            "--duration-secs",
+            "1",
+            "--max-prompt-tokens",
+            "512",
+            "--mode",
+            "cycle",
+            "--out",
+        ])
+        .arg(&out)
+        .stdout(Stdio::null())
+        .status()
+        .expect("loadgen runs");
+    assert!(status.success());
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&out).expect("report")).expect("json");
+    let _ = std::fs::remove_file(&out);
+    assert_eq!(report["workers"], 5, "{report}");
+    assert_eq!(report["engine_workers"], 2, "{report}");
+    assert_eq!(report["errors"], 0, "{report}");
+    let reply = get(port, "/workers");
+    let body = &reply[reply.find("\r\n\r\n").expect("a body") + 4..];
+    let listed: serde_json::Value = serde_json::from_str(body).expect("json");
+    let mut endpoints: Vec<(u64, bool)> = listed
+        .as_array()
+        .expect("a list")
+        .iter()
+        .map(|w| {
+            (
+                w["worker_id"].as_u64().unwrap(),
+                w["kv_events_endpoint"].is_string(),
+            )
+        })
+        .collect();
+    endpoints.sort_unstable();
+    assert_eq!(
+        endpoints,
+        vec![(1, true), (2, true), (3, false), (4, false), (5, false)]
+    );
+}
+
+#[test]
+fn cycle_run_books_everything_and_its_engines_events_all_apply() {
+    let (_server, port) = serve();
     let workers = 4;
     let events_base = free_port_run(workers);
     let out = std::env::temp_dir().join(format!("kvroute-loadgen-{port}.json"));

@@ -31,6 +31,12 @@ pub struct LoadgenArgs {
     /// --engine-kv-blocks), so the index fills as in production.
     #[arg(long)]
     pub events_base_port: Option<u16>,
+    /// With --events-base-port, only workers 1..=N get a fake engine and a KV-event endpoint
+    /// (default: all). The others register without one: Dynamo lists them as incomplete (not
+    /// schedulable), kvroute schedules them on load alone. A fleet too big for a server that
+    /// holds file descriptors per endpoint (Dynamo 1.6.1: ten each) can so still be registered.
+    #[arg(long)]
+    pub event_workers: Option<u64>,
     /// KV capacity of each fake engine, in blocks.
     #[arg(long, default_value_t = 16_384)]
     pub engine_kv_blocks: usize,
@@ -94,4 +100,12 @@ pub fn resolve(url: &str) -> Result<SocketAddr, String> {
         .map_err(|e| format!("cannot resolve {host_port}: {e}"))?
         .next()
         .ok_or_else(|| format!("{host_port} resolves to no address"))
+}
+
+impl LoadgenArgs {
+    /// Workers `1..=` this have a fake engine and a KV-event endpoint (with --events-base-port).
+    pub fn engine_workers(&self) -> u64 {
+        self.event_workers
+            .map_or(self.workers, |n| n.min(self.workers))
+    }
 }

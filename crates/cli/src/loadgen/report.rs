@@ -116,6 +116,7 @@ pub fn report(args: &LoadgenArgs, outcome: Outcome) -> serde_json::Value {
         "url": args.url,
         "mode": format!("{:?}", args.mode).to_lowercase(),
         "workers": args.workers,
+        "engine_workers": args.events_base_port.map(|_| args.engine_workers()),
         "concurrency": args.concurrency,
         "duration_s": secs,
         "prompts": prompts,

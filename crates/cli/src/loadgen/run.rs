@@ -37,10 +37,11 @@ async fn start_engines(
     let Some(base) = args.events_base_port else {
         return Ok(None);
     };
-    if args.workers == 0 {
+    let workers = args.engine_workers();
+    if workers == 0 {
         return Ok(None);
     }
-    let (workers, kv_blocks, block_size) = (args.workers, args.engine_kv_blocks, args.block_size);
+    let (kv_blocks, block_size) = (args.engine_kv_blocks, args.block_size);
     let bound = on_engines(engines_rt, async move {
         fleet::bind_fleet(base, workers, kv_blocks, block_size).await
     })
@@ -62,7 +63,9 @@ async fn register(addr: SocketAddr, args: &LoadgenArgs) -> Result<(), String> {
             "endpoint": format!("http://worker-{id}:8000"),
             "block_size": args.block_size,
         });
-        if let Some(base) = args.events_base_port {
+        if let Some(base) = args.events_base_port
+            && id <= args.engine_workers()
+        {
             body["kv_events_endpoint"] = json!(fleet::engine_endpoint(base, id));
         }
         let (status, reply) = client
