@@ -93,16 +93,31 @@ fn get(port: u16, path: &str) -> String {
     text
 }
 
+/// Runs `kvroute loadgen --mode cycle` against the service on `port` with `args`; its report.
+fn cycle_run(port: u16, name: &str, args: &[&str]) -> serde_json::Value {
+    let out = std::env::temp_dir().join(format!("kvroute-loadgen-{name}-{port}.json"));
+    let status = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["loadgen", "--url", &format!("http://127.0.0.1:{port}")])
+        .args(args)
+        .args(["--mode", "cycle", "--out"])
+        .arg(&out)
+        .stdout(Stdio::null())
+        .status()
+        .expect("loadgen runs");
+    assert!(status.success());
+    let report = serde_json::from_slice(&std::fs::read(&out).expect("report")).expect("json");
+    let _ = std::fs::remove_file(&out);
+    report
+}
+
 #[test]
 fn event_workers_bounds_the_endpoints_registered_and_the_engines() {
     let (_server, port) = serve();
     let events_base = free_port_run(2);
-    let out = std::env::temp_dir().join(format!("kvroute-loadgen-ew-{port}.json"));
-    let status = Command::new(env!("CARGO_BIN_EXE_kvroute"))
-        .args([
-            "loadgen",
-            "--url",
-            &format!("http://127.0.0.1:{port}"),
+    let report = cycle_run(
+        port,
+        "ew",
+        &[
             "--workers",
             "5",
             "--event-workers",
@@ -115,18 +130,8 @@ fn event_workers_bounds_the_endpoints_registered_and_the_engines() {
             "1",
             "--max-prompt-tokens",
             "512",
-            "--mode",
-            "cycle",
-            "--out",
-        ])
-        .arg(&out)
-        .stdout(Stdio::null())
-        .status()
-        .expect("loadgen runs");
-    assert!(status.success());
-    let report: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&out).expect("report")).expect("json");
-    let _ = std::fs::remove_file(&out);
+        ],
+    );
     assert_eq!(report["workers"], 5, "{report}");
     assert_eq!(report["engine_workers"], 2, "{report}");
     assert_eq!(report["errors"], 0, "{report}");
@@ -156,12 +161,10 @@ fn cycle_run_books_everything_and_its_engines_events_all_apply() {
     let (_server, port) = serve();
     let workers = 4;
     let events_base = free_port_run(workers);
-    let out = std::env::temp_dir().join(format!("kvroute-loadgen-{port}.json"));
-    let status = Command::new(env!("CARGO_BIN_EXE_kvroute"))
-        .args([
-            "loadgen",
-            "--url",
-            &format!("http://127.0.0.1:{port}"),
+    let report = cycle_run(
+        port,
+        "cycle",
+        &[
             "--workers",
             &workers.to_string(),
             "--events-base-port",
@@ -174,18 +177,8 @@ fn cycle_run_books_everything_and_its_engines_events_all_apply() {
             "3",
             "--max-prompt-tokens",
             "1024",
-            "--mode",
-            "cycle",
-            "--out",
-        ])
-        .arg(&out)
-        .stdout(Stdio::null())
-        .status()
-        .expect("loadgen runs");
-    assert!(status.success());
-    let report: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&out).expect("report")).expect("json");
-    let _ = std::fs::remove_file(&out);
+        ],
+    );
     let cycles = report["cycles"]["count"].as_u64().unwrap();
     assert!(cycles > 100, "{report}");
     assert_eq!(report["errors"], 0, "{report}");

@@ -14,6 +14,8 @@
 //! and sparse again when it shrinks below half of that, so flapping around the threshold is cheap;
 //! likewise a sparse set moves back inline only once it is down to two holders.
 
+use super::chunked::Chunked;
+
 /// Tier bits of a holder entry: bit 0 device, bit 1 host, bit 2 disk.
 pub type TierMask = u8;
 
@@ -179,66 +181,11 @@ enum HeapHolders {
     Dense(Box<DenseHolders>),
 }
 
-/// Sets per chunk of the arena.
-const ARENA_CHUNK_BITS: u32 = 12;
-const ARENA_CHUNK: usize = 1 << ARENA_CHUNK_BITS;
-
-/// The arena's sets in fixed-size chunks: growing never copies the sets (a doubling `Vec` of
-/// hundreds of thousands of sets copied tens of megabytes, and faulted them in anew, under the
-/// write lock) nor allocates twice what it holds.
-#[derive(Debug, Default)]
-struct ChunkedSets {
-    chunks: Vec<Vec<HeapHolders>>,
-    len: usize,
-}
-
-impl ChunkedSets {
-    fn push(&mut self, set: HeapHolders) {
-        match self.chunks.last_mut() {
-            Some(chunk) if chunk.len() < ARENA_CHUNK => chunk.push(set),
-            _ => {
-                let mut chunk = Vec::with_capacity(ARENA_CHUNK);
-                chunk.push(set);
-                self.chunks.push(chunk);
-            }
-        }
-        self.len += 1;
-    }
-
-    fn len(&self) -> usize {
-        self.len
-    }
-
-    fn iter(&self) -> impl Iterator<Item = &HeapHolders> {
-        self.chunks.iter().flatten()
-    }
-
-    fn memory_bytes(&self) -> usize {
-        self.chunks.len() * (ARENA_CHUNK * std::mem::size_of::<HeapHolders>() + ALLOCATION_OVERHEAD)
-            + self.chunks.capacity() * std::mem::size_of::<Vec<HeapHolders>>()
-    }
-}
-
-impl std::ops::Index<usize> for ChunkedSets {
-    type Output = HeapHolders;
-
-    #[inline]
-    fn index(&self, i: usize) -> &HeapHolders {
-        &self.chunks[i >> ARENA_CHUNK_BITS][i & (ARENA_CHUNK - 1)]
-    }
-}
-
-impl std::ops::IndexMut<usize> for ChunkedSets {
-    #[inline]
-    fn index_mut(&mut self, i: usize) -> &mut HeapHolders {
-        &mut self.chunks[i >> ARENA_CHUNK_BITS][i & (ARENA_CHUNK - 1)]
-    }
-}
-
 /// The holder sets that do not fit in their nodes, addressed by index.
 #[derive(Debug, Default)]
 pub struct HolderArena {
-    sets: ChunkedSets,
+    /// In chunks of 4,096 sets (`chunked.rs`).
+    sets: Chunked<HeapHolders, 12>,
     free: Vec<u32>,
 }
 

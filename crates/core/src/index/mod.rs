@@ -42,7 +42,7 @@
 //! needs to, never back. Clearing a rank that holds nodes implicitly reads every node's holder
 //! set once (the rank has no list of them): the price of not keeping one per pair.
 //!
-//! ## Memory (20 bytes per `(block, rank)` pair at 7,000 ranks on the Mooncake trace, where
+//! ## Memory (17 bytes per `(block, rank)` pair at 7,000 ranks on the Mooncake trace, where
 //! replicas share every hash; [`RadixIndex::memory_bytes`] counts every table and vector at its
 //! capacity)
 //! - A node is 32 bytes: its sequence and local hashes, the low half of its parent's sequence
@@ -73,6 +73,7 @@
 //! - Overlap is contiguous from the first block: a rank's overlap on a tier is the depth of the
 //!   first prompt block it does not hold there (tiers cumulative: device ⊆ host ⊆ disk).
 
+mod chunked;
 mod holders;
 mod lookup;
 #[cfg(any(test, feature = "reference"))]
@@ -82,6 +83,7 @@ mod walk;
 
 use crate::event::{KvEvent, Rank, StoredBlock, Tier};
 use crate::hash::chain;
+use chunked::Chunked;
 use hashbrown::{DefaultHashBuilder, HashMap, HashTable};
 use holders::{ALLOCATION_OVERHEAD, HolderArena, Holders, TierMask};
 use std::collections::VecDeque;
@@ -202,13 +204,12 @@ struct Node {
 
 /// Nodes per chunk of the node store.
 const CHUNK_BITS: u32 = 10;
-const CHUNK: usize = 1 << CHUNK_BITS;
 
-/// Node slots in fixed-size chunks: growing never copies nodes nor doubles the allocation.
+/// Node slots in fixed-size chunks ([`Chunked`]).
 #[derive(Debug, Default)]
 struct Nodes {
-    /// Chunks of `CHUNK` slots each (allocated at that capacity, filled by pushing).
-    chunks: Vec<Vec<Node>>,
+    /// In chunks of `CHUNK` slots (`chunked.rs`).
+    chunks: Chunked<Node, CHUNK_BITS>,
     len: u32,
     /// One bit per slot, set while the slot holds a node (from its allocation until it is
     /// freed): purges test liveness here, in a table that stays in cache, instead of reading
@@ -216,19 +217,19 @@ struct Nodes {
     allocated: Vec<u64>,
     /// Per slot, chunked like the nodes: the node's canonical engine hash, meaningful while its
     /// bit in `canonical_valid` is set (see "Implicit entries" in the module documentation).
-    canonical: Vec<Vec<u64>>,
+    canonical: Chunked<u64, CHUNK_BITS>,
     canonical_valid: Vec<u64>,
 }
 
 impl Nodes {
     #[inline]
     fn get(&self, node: u32) -> &Node {
-        &self.chunks[(node >> CHUNK_BITS) as usize][node as usize & (CHUNK - 1)]
+        &self.chunks[node as usize]
     }
 
     #[inline]
     fn get_mut(&mut self, node: u32) -> &mut Node {
-        &mut self.chunks[(node >> CHUNK_BITS) as usize][node as usize & (CHUNK - 1)]
+        &mut self.chunks[node as usize]
     }
 
     #[inline]
@@ -264,7 +265,7 @@ impl Nodes {
     /// The canonical slot's value whether or not it is valid (for reading ahead).
     #[inline]
     fn canonical_unchecked(&self, node: u32) -> u64 {
-        self.canonical[(node >> CHUNK_BITS) as usize][node as usize & (CHUNK - 1)]
+        self.canonical[node as usize]
     }
 
     fn set_canonical(&mut self, node: u32, engine_hash: Option<u64>) {
@@ -274,7 +275,7 @@ impl Nodes {
         }
         match engine_hash {
             Some(e) => {
-                self.canonical[(node >> CHUNK_BITS) as usize][node as usize & (CHUNK - 1)] = e;
+                self.canonical[node as usize] = e;
                 self.canonical_valid[word] |= 1 << (node & 63);
             }
             None => self.canonical_valid[word] &= !(1 << (node & 63)),
@@ -301,33 +302,17 @@ impl Nodes {
 
     /// Puts a node in a fresh (never used) slot.
     fn push(&mut self, node: Node) -> u32 {
-        match self.chunks.last_mut() {
-            Some(chunk) if chunk.len() < CHUNK => chunk.push(node),
-            _ => {
-                let mut chunk = Vec::with_capacity(CHUNK);
-                chunk.push(node);
-                self.chunks.push(chunk);
-                self.canonical.push(vec![0; CHUNK]);
-            }
-        }
+        self.chunks.push(node);
+        self.canonical.push(0);
         self.len += 1;
         self.set_allocated(self.len - 1, true);
         self.len - 1
     }
 
     fn memory_bytes(&self) -> usize {
-        self.chunks
-            .iter()
-            .map(|c| c.capacity() * std::mem::size_of::<Node>() + ALLOCATION_OVERHEAD)
-            .sum::<usize>()
-            + self.chunks.capacity() * std::mem::size_of::<Vec<Node>>()
+        self.chunks.memory_bytes()
             + self.allocated.capacity() * 8
-            + self
-                .canonical
-                .iter()
-                .map(|c| c.capacity() * 8 + ALLOCATION_OVERHEAD)
-                .sum::<usize>()
-            + self.canonical.capacity() * std::mem::size_of::<Vec<u64>>()
+            + self.canonical.memory_bytes()
             + self.canonical_valid.capacity() * 8
             + 2 * ALLOCATION_OVERHEAD
     }
@@ -487,6 +472,56 @@ impl RankSlot {
     /// `(block, rank)` pairs: live entries plus implicit holdings.
     fn held(&self) -> usize {
         self.blocks.len() - self.stale + self.implicit
+    }
+}
+
+/// One block stored by one rank, as [`RadixIndex::store_entry`] takes it.
+#[derive(Debug, Clone, Copy)]
+struct BlockStore {
+    slot: u32,
+    /// The block's live node, that of `sequence_hash`.
+    node: u32,
+    sequence_hash: u64,
+    engine_hash: u64,
+    /// `engine_hash`'s table hash.
+    hash: u64,
+    /// The tier's index.
+    t: usize,
+    /// Whether a node without a canonical engine hash may take this one: an engine's store, not
+    /// the selector's predictions.
+    canonize: bool,
+}
+
+impl BlockStore {
+    fn new(
+        slot: u32,
+        (sequence_hash, node): (u64, u32),
+        block: &StoredBlock,
+        hash: u64,
+        t: usize,
+        canonize: bool,
+    ) -> Self {
+        Self {
+            slot,
+            node,
+            sequence_hash,
+            engine_hash: block.engine_hash,
+            hash,
+            t,
+            canonize,
+        }
+    }
+
+    /// Rank slot, node, engine hash and its table hash.
+    fn key(&self) -> (u32, u32, u64, u64) {
+        (self.slot, self.node, self.engine_hash, self.hash)
+    }
+
+    /// The tier's bit, and the transitions of a holding that gains it.
+    fn gained(&self) -> (TierMask, [i8; 3]) {
+        let mut transitions = [0i8; 3];
+        transitions[self.t] = 1;
+        (1 << self.t, transitions)
     }
 }
 
@@ -837,11 +872,7 @@ impl RadixIndex {
             if self.nodes.get(node).holders.mask_of(&self.arena, slot) & (1 << t) == 0 {
                 let hash = self.hasher.hash_one(block.engine_hash);
                 self.store_entry(
-                    slot,
-                    node,
-                    (sequence_hash, hash),
-                    block.engine_hash,
-                    (t, false),
+                    BlockStore::new(slot, (sequence_hash, node), &block, hash, t, false),
                     &mut outcome,
                 );
                 stored.push(sequence_hash);
@@ -871,32 +902,17 @@ impl RadixIndex {
             None => self.node_for(sequence_hash, node_key, block.local_hash, previous, outcome),
         };
         self.store_entry(
-            slot,
-            node,
-            (sequence_hash, hash),
-            block.engine_hash,
-            (t, true),
+            BlockStore::new(slot, (sequence_hash, node), block, hash, t, true),
             outcome,
         );
         node
     }
 
-    /// Stores the rank's holding of `engine_hash` (whose table hash is `hash`) on `node`, the
-    /// live node of `sequence_hash`, on tier `t`. With `canonize`, a node without a canonical
-    /// engine hash may take this one (an engine's store; not the selector's predictions).
+    /// Stores the rank's holding of one block (see [`BlockStore`]).
     #[inline]
-    fn store_entry(
-        &mut self,
-        slot: u32,
-        node: u32,
-        (sequence_hash, hash): (u64, u64),
-        engine_hash: u64,
-        (t, canonize): (usize, bool),
-        outcome: &mut ApplyOutcome,
-    ) {
-        let bit: TierMask = 1 << t;
-        let mut transitions = [0i8; 3];
-        transitions[t] = 1;
+    fn store_entry(&mut self, store: BlockStore, outcome: &mut ApplyOutcome) {
+        let (slot, node, engine_hash, hash) = store.key();
+        let (bit, transitions) = store.gained();
         outcome.stored_blocks += 1;
         match self.resolve(slot, engine_hash, hash) {
             Resolved::Explicit(entry) if entry.node() == node => {
@@ -951,29 +967,14 @@ impl RadixIndex {
             }
             Resolved::None => {}
         }
-        self.store_new(
-            slot,
-            node,
-            (sequence_hash, hash),
-            engine_hash,
-            (t, canonize),
-            outcome,
-        );
+        self.store_new(store, outcome);
     }
 
-    /// [`Self::store_entry`] when the rank has nothing under `engine_hash`.
-    fn store_new(
-        &mut self,
-        slot: u32,
-        node: u32,
-        (sequence_hash, hash): (u64, u64),
-        engine_hash: u64,
-        (t, canonize): (usize, bool),
-        outcome: &mut ApplyOutcome,
-    ) {
-        let bit: TierMask = 1 << t;
-        let mut transitions = [0i8; 3];
-        transitions[t] = 1;
+    /// [`Self::store_entry`] when the rank has nothing under the engine hash.
+    fn store_new(&mut self, store: BlockStore, outcome: &mut ApplyOutcome) {
+        let (slot, node, engine_hash, hash) = store.key();
+        let (bit, transitions) = store.gained();
+        let (sequence_hash, t, canonize) = (store.sequence_hash, store.t, store.canonize);
         let held = self.nodes.get(node).holders.mask_of(&self.arena, slot);
         if held == 0 {
             if !self.implicit_possible(node, engine_hash, hash, canonize) {
@@ -1004,14 +1005,7 @@ impl RadixIndex {
             let other_entries = rank_slot.explicit_nodes.contains_key(&node)
                 || rank_slot.alias_counts.contains_key(&node);
             if other_entries || !self.implicit_possible(node, engine_hash, hash, canonize) {
-                let hasher = &self.hasher;
-                let rank_slot = &mut self.slots[slot as usize];
-                rank_slot
-                    .blocks
-                    .insert_unique(hash, BlockRef::new(engine_hash, node, bit), |e| {
-                        hasher.hash_one(e.engine_hash())
-                    });
-                rank_slot.explicit_added(node);
+                self.add_entry(slot, node, engine_hash, hash, bit);
             } else {
                 self.slots[slot as usize].implicit += 1;
             }
@@ -1058,15 +1052,9 @@ impl RadixIndex {
             );
             return;
         };
-        let hasher = &self.hasher;
-        let rank_slot = &mut self.slots[slot as usize];
-        rank_slot.blocks.insert_unique(
-            hasher.hash_one(engine_hash),
-            BlockRef::new(engine_hash, node, held),
-            |e| hasher.hash_one(e.engine_hash()),
-        );
-        rank_slot.explicit_added(node);
-        rank_slot.implicit -= 1;
+        let hash = self.hasher.hash_one(engine_hash);
+        self.add_entry(slot, node, engine_hash, hash, held);
+        self.slots[slot as usize].implicit -= 1;
     }
 
     /// Raises the store count of the rank's (live) entry for `engine_hash` on the tier `bit`.
@@ -1108,17 +1096,22 @@ impl RadixIndex {
     /// the node's holders.
     fn insert_entry(&mut self, slot: u32, node: u32, engine_hash: u64, hash: u64, bit: TierMask) {
         let held = self.nodes.get(node).holders.mask_of(&self.arena, slot);
+        self.add_entry(slot, node, engine_hash, hash, bit);
+        if held != 0 {
+            note_alias(&mut self.slots[slot as usize], node, held);
+        }
+    }
+
+    /// Puts an entry (count 1 on each tier of `mask`) of `slot` for `node` in the rank's table.
+    fn add_entry(&mut self, slot: u32, node: u32, engine_hash: u64, hash: u64, mask: TierMask) {
         let hasher = &self.hasher;
         let rank_slot = &mut self.slots[slot as usize];
         rank_slot
             .blocks
-            .insert_unique(hash, BlockRef::new(engine_hash, node, bit), |e| {
+            .insert_unique(hash, BlockRef::new(engine_hash, node, mask), |e| {
                 hasher.hash_one(e.engine_hash())
             });
         rank_slot.explicit_added(node);
-        if held != 0 {
-            note_alias(rank_slot, node, held);
-        }
     }
 
     /// The live node for a sequence hash (whose `by_sequence` hash is `hash`), created (without
