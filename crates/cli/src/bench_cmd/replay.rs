@@ -8,7 +8,7 @@
 //!   time), so the bench measures what the index can apply, not the budget.
 //! - **Lookups** (a select's index walk), on `lookup_threads` threads (the service's HTTP
 //!   runtime has one a core), lookups dealt round robin: at each lookup's deadline, or at once
-//!   when behind, a thread takes the read lock and runs `Selector::index_overlaps`, the walk
+//!   when behind, a thread takes the read lock and runs `Selector::index_walk`, the walk
 //!   `select` runs before scoring.
 //!
 //! Every operation is issued at an absolute deadline from one start instant, whatever happened
@@ -80,8 +80,11 @@ pub struct ReplayReport {
     pub apply_scheduled_to_done: Latencies,
     /// Write-lock holds, from asking for the lock to releasing it.
     pub hold: Latencies,
-    /// Ranks with a non-zero overlap, summed over the lookups (what the walks returned).
+    /// Ranks listed in the answers, summed over the lookups (what the walks returned).
     pub matched_ranks: u64,
+    /// Members of the answers' floors, summed over the lookups (ranks that matched alike, not
+    /// listed one by one).
+    pub floor_members: u64,
     /// When each thread finished, from the start.
     pub lookups_done: Duration,
     pub events_done: Duration,
@@ -209,6 +212,7 @@ pub fn replay(
                     let mut lag = Latencies::default();
                     let mut lock_wait = Latencies::default();
                     let mut matched = 0u64;
+                    let mut floor_members = 0u64;
                     for op in lookups.iter().skip(lane).step_by(lookup_threads) {
                         let OpKind::Lookup { prompt } = op.kind else {
                             continue;
@@ -221,14 +225,24 @@ pub fn replay(
                         lag.push(asked - deadline);
                         lock_wait.push(began - asked);
                         let answer =
-                            guard.index_overlaps(partition, &schedule.prompts[prompt as usize]);
+                            guard.index_walk(partition, &schedule.prompts[prompt as usize]);
                         drop(guard);
                         let done = Instant::now();
-                        matched += answer.map_or(0, |a| a.len() as u64);
+                        if let Some(a) = answer {
+                            matched += a.listed.len() as u64;
+                            floor_members += a.floor.map_or(0, |f| f.count() as u64);
+                        }
                         service.push(done - began);
                         scheduled.push(done - deadline);
                     }
-                    (service, scheduled, lag, lock_wait, matched, start.elapsed())
+                    (
+                        service,
+                        scheduled,
+                        lag,
+                        lock_wait,
+                        (matched, floor_members),
+                        start.elapsed(),
+                    )
                 })
             })
             .collect();
@@ -236,7 +250,7 @@ pub fn replay(
             .join()
             .map_err(|_| "the events thread panicked".to_string())?;
         for lane in lanes {
-            let (service, scheduled, lag, lock_wait, matched, done) = lane
+            let (service, scheduled, lag, lock_wait, (matched, floor_members), done) = lane
                 .join()
                 .map_err(|_| "a lookup thread panicked".to_string())?;
             report.lookup_service.0.extend(service.0);
@@ -244,6 +258,7 @@ pub fn replay(
             report.lookup_issue_lag.0.extend(lag.0);
             report.lookup_lock_wait.0.extend(lock_wait.0);
             report.matched_ranks += matched;
+            report.floor_members += floor_members;
             report.lookups_done = report.lookups_done.max(done);
         }
         report.apply_scheduled_to_done = apply;
@@ -349,7 +364,8 @@ impl ReplayReport {
             "apply_scheduled_to_done": self.apply_scheduled_to_done.json(),
             "write_hold": self.hold.json(),
             "delete_worker_us": self.delete_worker.as_secs_f64() * 1e6,
-            "mean_matched_ranks": self.matched_ranks as f64 / c.lookups.max(1) as f64,
+            "mean_listed_ranks": self.matched_ranks as f64 / c.lookups.max(1) as f64,
+            "mean_floor_members": self.floor_members as f64 / c.lookups.max(1) as f64,
             "index": {
                 "indexed_blocks": self.indexed_blocks,
                 "held_pairs": self.held_pairs,
@@ -423,6 +439,12 @@ impl ReplayReport {
         out += &line("  of which lock wait", &self.lookup_lock_wait);
         out += &line("apply scheduled-to-done", &self.apply_scheduled_to_done);
         out += &line("write-lock hold", &self.hold);
+        let lookups = c.lookups.max(1) as f64;
+        out += &format!(
+            "answers: {:.1} ranks listed, {:.1} in the floor on average\n",
+            self.matched_ranks as f64 / lookups,
+            self.floor_members as f64 / lookups,
+        );
         out += &format!(
             "deleting one worker afterwards: {:.1} ms\n",
             self.delete_worker.as_secs_f64() * 1e3

@@ -74,6 +74,7 @@ pub fn cumulative_bits(mask: TierMask) -> u8 {
 pub struct Holders([u32; 3]);
 
 /// The shape of a holder set, for reading.
+#[derive(Clone, Copy)]
 pub enum View<'a> {
     /// Packed entries sorted by slot (inline or sparse).
     Entries(&'a [u32]),

@@ -29,8 +29,53 @@ impl RadixIndex {
 
     /// Each rank's overlap with a prompt given by its sequence hashes: the number of leading
     /// blocks it holds, per cumulative tier. Ranks with no overlap are left out; the others come
-    /// in rank order.
+    /// in rank order. [`Self::find_matches_compact`], every floor member listed.
     pub fn find_matches(&self, sequence_hashes: &[u64]) -> Matches {
+        let compact = self.find_matches_compact(sequence_hashes);
+        let Some(floor) = &compact.floor else {
+            return Matches {
+                ranks: compact.listed,
+            };
+        };
+        let mut ranks = Vec::with_capacity(compact.listed.len() + floor.count());
+        let mut listed = compact.listed.iter().peekable();
+        for &(rank, slot) in &self.rank_order {
+            if let Some(o) = listed.next_if(|o| o.rank == rank) {
+                ranks.push(*o);
+            } else if floor.has_slot(slot) {
+                ranks.push(floor.overlap(rank));
+            }
+        }
+        Matches { ranks }
+    }
+
+    /// Whether `rank` is a member of `floor` (an answer of this index).
+    pub fn floor_has(&self, floor: &Floor, rank: Rank) -> bool {
+        self.slot_of
+            .get(&rank)
+            .is_some_and(|&slot| floor.has_slot(slot))
+    }
+
+    /// The members of `floor` (an answer of this index), in slot order.
+    pub fn floor_members(&self, floor: &Floor) -> Vec<Rank> {
+        let mut out = Vec::with_capacity(floor.count());
+        for (w, &word) in floor.members.iter().enumerate() {
+            let mut bits = word;
+            while bits != 0 {
+                let slot = w * 64 + bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                if let Some(rank) = self.slots.get(slot).and_then(|s| s.rank) {
+                    out.push(rank);
+                }
+            }
+        }
+        out
+    }
+
+    /// [`Self::find_matches`] without listing the ranks a shared first block makes alike: when
+    /// most ranks matching a prompt stop at the same block, they are a [`Floor`] (module `walk`),
+    /// and the answer lists only the others, so its size is that of the deep matches.
+    pub fn find_matches_compact(&self, sequence_hashes: &[u64]) -> CompactMatches {
         let mut walk: Option<Walk> = None;
         let mut chunk = [0u32; LOOKUP_CHUNK];
         let mut previous: Option<u32> = None;
@@ -70,10 +115,18 @@ impl RadixIndex {
             }
         }
         match walk {
-            None => Matches::default(),
-            Some(w) => Matches {
-                ranks: w.finish(depth as u32, &self.slots, &self.rank_order),
-            },
+            None => CompactMatches::default(),
+            Some(w) => {
+                let compact = w.finish_compact(depth as u32, &self.slots, &self.rank_order);
+                CompactMatches {
+                    listed: compact.listed,
+                    floor: compact.floor.map(|(depth, members)| Floor {
+                        depth,
+                        count: members.iter().map(|w| w.count_ones() as usize).sum(),
+                        members,
+                    }),
+                }
+            }
         }
     }
 

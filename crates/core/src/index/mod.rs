@@ -188,6 +188,64 @@ impl Matches {
     }
 }
 
+/// The answer of [`RadixIndex::find_matches_compact`]: the ranks listed (in rank order) and the
+/// floor, whose members not listed matched `depth` blocks on every tier.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CompactMatches {
+    pub listed: Vec<RankOverlap>,
+    pub floor: Option<Floor>,
+}
+
+impl CompactMatches {
+    /// The overlap of `rank` (`index`: the index that answered).
+    pub fn get(&self, index: &RadixIndex, rank: Rank) -> Option<RankOverlap> {
+        match self.listed.binary_search_by_key(&rank, |o| o.rank) {
+            Ok(i) => Some(self.listed[i]),
+            Err(_) => self
+                .floor
+                .as_ref()
+                .filter(|f| index.floor_has(f, rank))
+                .map(|f| f.overlap(rank)),
+        }
+    }
+}
+
+/// Ranks of one answer that matched the same number of blocks (module `walk`), as rank slots.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Floor {
+    pub depth: u32,
+    members: Vec<u64>,
+    count: usize,
+}
+
+impl Floor {
+    /// Members, listed ones included.
+    pub fn count(&self) -> usize {
+        self.count
+    }
+
+    /// The members' words, to tell two floors apart cheaply (a cache key).
+    pub fn words(&self) -> &[u64] {
+        &self.members
+    }
+
+    fn has_slot(&self, slot: u32) -> bool {
+        self.members
+            .get((slot / 64) as usize)
+            .is_some_and(|w| w >> (slot % 64) & 1 != 0)
+    }
+
+    /// A member's overlap when it is not listed.
+    pub fn overlap(&self, rank: Rank) -> RankOverlap {
+        RankOverlap {
+            rank,
+            device_blocks: self.depth,
+            host_blocks: self.depth,
+            disk_blocks: self.depth,
+        }
+    }
+}
+
 /// One indexed block. 32 bytes, aligned so that a node never straddles two cache lines.
 #[derive(Debug, Clone, Copy, Default)]
 #[repr(align(32))]

@@ -37,6 +37,54 @@ fn sorted(mut m: Matches) -> Vec<RankOverlap> {
 }
 
 #[test]
+fn a_block_most_ranks_stop_at_becomes_a_floor_and_answers_stay_exact() {
+    let mut index = RadixIndex::default();
+    let mut reference = ReferenceIndex::default();
+    let mut apply = |r: Rank, event: KvEvent| {
+        index.apply(r, &event);
+        reference.apply(r, &event);
+    };
+    // 300 ranks hold block 1, 250 of them 1→2 (a step that drops fewer than half), 3 of those
+    // 1→2→3 (the floor's step), one of those also 3→4 on the host (a later split).
+    for w in 0..300 {
+        apply(rank(w, 0), stored(None, &[(11, 1)], Tier::Device));
+    }
+    for w in 0..250 {
+        apply(rank(w, 0), stored(Some(11), &[(12, 2)], Tier::Device));
+    }
+    for w in 0..3 {
+        apply(rank(w, 0), stored(Some(12), &[(13, 3)], Tier::Device));
+    }
+    apply(rank(1, 0), stored(Some(13), &[(14, 4)], Tier::Host));
+    let q = seq(&[1, 2, 3, 4, 5]);
+    let compact = index.find_matches_compact(&q);
+    let floor = compact.floor.as_ref().expect("a floor");
+    assert_eq!((floor.depth, floor.count()), (2, 250));
+    // Listed: the 50 that stopped at block 2 and the 3 that went on; not the other 247.
+    assert_eq!(compact.listed.len(), 53);
+    assert!(compact.listed.is_sorted_by_key(|o| o.rank));
+    let full = sorted(index.find_matches(&q));
+    assert_eq!(full, sorted(reference.find_matches(&q)));
+    assert_eq!(full.len(), 300);
+    for o in &full {
+        assert_eq!(compact.get(&index, o.rank), Some(*o));
+    }
+    assert_eq!(compact.get(&index, rank(1000, 0)), None);
+    assert_eq!(index.floor_members(floor).len(), 250);
+    // A prompt every rank holds to its end: the ranks still matching are the floor.
+    let whole = index.find_matches_compact(&seq(&[1]));
+    assert_eq!(whole.listed, vec![]);
+    let floor = whole.floor.as_ref().expect("a floor");
+    assert_eq!((floor.depth, floor.count()), (1, 300));
+    assert_eq!(
+        sorted(index.find_matches(&seq(&[1]))),
+        sorted(reference.find_matches(&seq(&[1])))
+    );
+    // A prompt few ranks share has no floor.
+    assert!(index.find_matches_compact(&seq(&[9])).floor.is_none());
+}
+
+#[test]
 fn answers_come_in_rank_order_whatever_order_ranks_appeared_in() {
     // Few holders (a list walk) and many (a dense walk over 300 slots).
     for ranks in [5u64, 300] {

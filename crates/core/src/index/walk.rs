@@ -9,6 +9,15 @@
 //! bitset stands for all three tiers (`uniform`). Once fewer ranks match than there are words,
 //! they move to a list sorted by slot, and a step costs O(matching ranks). The depth at which a
 //! rank stops matching on a tier is its overlap there.
+//!
+//! **The floor.** A prompt whose first blocks nearly every rank holds (a fleet-wide system
+//! prompt) would answer every rank, most of them with the same short overlap. A uniform dense
+//! walk keeps, of its steps that dropped at least as many ranks as it has words of rank slots,
+//! the one that dropped the most: the ranks matching before it are the *floor* (a bitset) with
+//! its depth, and the answer ([`Walk::finish_compact`]) lists every rank but those that step
+//! dropped, each of which matched exactly that many blocks. The ranks still matching at the
+//! end are such a group too (members and dropped alike). So the answer's size is the deep
+//! matches' and the stragglers', not the fleet's.
 
 use super::holders::{
     DenseHolders, TierMask, View, cumulative_bits, entry_mask, entry_slot, find_entry,
@@ -67,6 +76,21 @@ pub(super) struct Walk {
     list_below: usize,
     /// Ranks matching the first block: the size of the answer.
     matched: usize,
+    /// A uniform dense walk's ranks matching the first block (to find, with a floor, those that
+    /// stopped before it).
+    initial: Vec<u64>,
+    /// The floor (module documentation) so far: its depth, its members, the members its step
+    /// dropped, and how many.
+    floor: Option<(u32, Vec<u64>, Vec<u64>, usize)>,
+    /// Scratch: the ranks matching before a step.
+    before: Vec<u64>,
+}
+
+/// A lookup's answer with a floor: the ranks listed, and the floor's depth and members (rank
+/// slots), each member not listed having matched `depth` blocks on every tier.
+pub(super) struct Compact {
+    pub(super) listed: Vec<RankOverlap>,
+    pub(super) floor: Option<(u32, Vec<u64>)>,
 }
 
 /// `alive &= held` (a missing word of `held` is zero), calling `lost(w, bits)` for each word `w`
@@ -126,6 +150,9 @@ impl Walk {
             done: Vec::new(),
             list_below: words,
             matched: 0,
+            initial: Vec::new(),
+            floor: None,
+            before: Vec::new(),
         };
         let holders = match first {
             View::Entries(entries) => entries.len(),
@@ -181,6 +208,9 @@ impl Walk {
                 .sum();
         }
         walk.matched = walk.count[2];
+        if walk.uniform {
+            walk.initial.clone_from(&walk.alive[0]);
+        }
         walk
     }
 
@@ -221,6 +251,11 @@ impl Walk {
     /// Intersects the matching ranks with the holders of the block at `depth`.
     #[inline]
     pub(super) fn step(&mut self, holders: View<'_>, depth: u32) {
+        let floor_candidate = self.dense && self.uniform;
+        if floor_candidate {
+            self.before.clone_from(&self.alive[0]);
+        }
+        let count_before = self.count[0];
         if self.dense {
             match holders {
                 View::Dense(dense) => {
@@ -240,6 +275,9 @@ impl Walk {
                     self.dense_step_entries(entries, depth);
                 }
             }
+            if floor_candidate && self.uniform {
+                self.note_floor(count_before - self.count[0], depth);
+            }
             if self.count[2] <= self.list_below {
                 self.switch_to_list();
             }
@@ -249,6 +287,21 @@ impl Walk {
                 View::Dense(dense) => self.list_step(|slot| dense.mask_of(slot), depth),
             }
         }
+    }
+
+    /// After a uniform dense step that dropped `dropped` ranks at `depth` (the ranks matching
+    /// before it in `before`): the floor if it dropped the most so far, and enough.
+    fn note_floor(&mut self, dropped: usize, depth: u32) {
+        if dropped < self.list_below.max(1) || self.floor.as_ref().is_some_and(|f| f.3 >= dropped) {
+            return;
+        }
+        let gone: Vec<u64> = self
+            .before
+            .iter()
+            .zip(&self.alive[0])
+            .map(|(&b, &a)| b & !a)
+            .collect();
+        self.floor = Some((depth, self.before.clone(), gone, dropped));
     }
 
     /// Stops keeping one set for all tiers.
@@ -433,6 +486,81 @@ impl Walk {
             }
             r.narrow(cumulative_bits(mask), depth, done)
         });
+    }
+
+    /// [`Self::finish`], or with a floor the ranks it does not stand for (in rank order) and
+    /// the floor.
+    pub(super) fn finish_compact(
+        mut self,
+        depth: u32,
+        slots: &[RankSlot],
+        rank_order: &[(Rank, u32)],
+    ) -> Compact {
+        // The ranks still matching at the end are a group alike too: the floor when larger.
+        if self.dense
+            && self.uniform
+            && self.count[0] >= self.list_below.max(1)
+            && self.floor.as_ref().is_none_or(|f| f.3 < self.count[0])
+        {
+            let alive = self.alive[0].clone();
+            self.floor = Some((depth, alive.clone(), alive, self.count[0]));
+        }
+        let Some((floor_depth, members, gone, _)) = self.floor.take() else {
+            return Compact {
+                listed: self.finish(depth, slots, rank_order),
+                floor: None,
+            };
+        };
+        // Every depth into `ends`: the list's and the done ranks', and the dense ranks still
+        // matching.
+        for r in &mut self.list {
+            for (t, end) in r.ends.iter_mut().enumerate() {
+                if r.tiers & (1 << t) != 0 {
+                    *end = depth;
+                }
+            }
+        }
+        for r in self.done.iter().chain(&self.list) {
+            self.ends[r.slot as usize] = r.ends;
+        }
+        if self.dense {
+            let tiers = if self.uniform { 1 } else { 3 };
+            for (t, alive) in self.alive.iter().enumerate().take(tiers) {
+                for (w, &a) in alive.iter().enumerate() {
+                    let ends = &mut self.ends;
+                    for_each_bit(w, a, |slot| {
+                        if tiers == 1 {
+                            ends[slot] = [depth; 3];
+                        } else {
+                            ends[slot][t] = depth;
+                        }
+                    });
+                }
+            }
+        }
+        // Listed: every rank that matched the first block but those the floor's step dropped.
+        let mut listed = Vec::new();
+        let ends = &self.ends;
+        for (w, (&i, &g)) in self.initial.iter().zip(&gone).enumerate() {
+            for_each_bit(w, i & !g, |slot| {
+                let e = ends[slot];
+                if let Some(rank) = slots.get(slot).and_then(|s| s.rank)
+                    && e[2] > 0
+                {
+                    listed.push(RankOverlap {
+                        rank,
+                        device_blocks: e[0],
+                        host_blocks: e[1],
+                        disk_blocks: e[2],
+                    });
+                }
+            });
+        }
+        listed.sort_unstable_by_key(|o| o.rank);
+        Compact {
+            listed,
+            floor: Some((floor_depth, members)),
+        }
     }
 
     /// Every rank still matching matched all blocks up to `depth`; the overlaps, in rank order

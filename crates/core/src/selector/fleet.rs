@@ -11,8 +11,16 @@
 //! order (`schedule::tie_index`), so the `k`-th tied rank here is the full scan's choice for the
 //! same random source. `tests.rs` compares both on random fleets.
 //!
-//! Cost per select: O(H + B + log) for H holders and B booked ranks, against O(W) ranks for the
-//! scan. The partition's ranks in candidate order (`RankOrder`) are built on the first select
+//! A prompt whose first block most ranks hold (a fleet-wide system prompt) comes back from the
+//! walk with a *floor* (`index/walk.rs`): the ranks that matched exactly the floor's depth, as a
+//! set, with only the others listed. Unlisted, unbooked members cost alike for the same reason
+//! idle ranks do (the same overlap, no load). When every rank not scored is a member, one of
+//! them stands for them all, as the idle candidate does; otherwise (some ranks hold nothing) the
+//! members are scored one by one. Mapping a floor's members to positions is O(W), done once per
+//! floor met (`RankOrder::floor_positions`).
+//!
+//! Cost per select: O(H + B + log) for H holders listed and B booked ranks, against O(W) ranks
+//! for the scan. The partition's ranks in candidate order (`RankOrder`) are built on the first select
 //! after a catalog change, O(W) once.
 //!
 //! The scan still serves what this path cannot prove equal without looking at every rank: a
@@ -23,10 +31,11 @@
 
 use super::*;
 use crate::event::Rank;
+use crate::index::{Floor, RadixIndex};
 use crate::schedule::{Candidate, Leg, tie_index};
 use crate::selector::select::Overlaps;
 use crate::selector::sessions::SessionLookup;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// A partition's schedulable ranks in the full scan's candidate order (its workers by id, each
 /// worker's ranks in order), and each rank's place in it.
@@ -39,6 +48,34 @@ pub(super) struct RankOrder {
     /// Whether every schedulable worker has role `both`: with prefill or decode workers the
     /// candidates are filtered by role (`Selector::eligible`), which this path does not do.
     all_both: bool,
+    /// The last floor met (its members' words) and its members' positions, sorted: a floor
+    /// changes only when a rank first holds or drops the shared block, so the O(W) mapping is
+    /// done once per floor (and catalog version: slots are reused only when a worker goes).
+    floor_positions: Mutex<Option<FloorPositions>>,
+}
+
+/// A floor's members (its words, the cache key) and their positions in a `RankOrder`, sorted.
+type FloorPositions = (Vec<u64>, Arc<Vec<usize>>);
+
+impl RankOrder {
+    /// The positions of `floor`'s members (an answer of `index`) in this order, sorted.
+    fn floor_positions(&self, floor: &Floor, index: &RadixIndex) -> Arc<Vec<usize>> {
+        let mut cache = locked(&self.floor_positions);
+        if let Some((words, positions)) = cache.as_ref()
+            && words.as_slice() == floor.words()
+        {
+            return Arc::clone(positions);
+        }
+        let mut positions: Vec<usize> = index
+            .floor_members(floor)
+            .into_iter()
+            .filter_map(|rank| self.position.get(&rank).copied())
+            .collect();
+        positions.sort_unstable();
+        let positions = Arc::new(positions);
+        *cache = Some((floor.words().to_vec(), Arc::clone(&positions)));
+        positions
+    }
 }
 
 /// The rank orders built since the catalog last changed (`Selector::catalog_version`).
@@ -117,6 +154,7 @@ impl Selector {
             position,
             block_size,
             all_both,
+            floor_positions: Mutex::new(None),
         });
         orders.by_partition.insert(key.clone(), Arc::clone(&order));
         order
@@ -163,13 +201,29 @@ impl Selector {
         };
         // Holders and booked ranks of this partition, each once, in candidate order.
         let mut positions: Vec<usize> = overlaps
-            .iter()
+            .listed()
             .map(|o| o.rank)
             .chain(load.ranks().map(|(rank, _)| rank))
             .filter_map(|rank| order.position.get(&rank).copied())
             .collect();
         positions.sort_unstable();
         positions.dedup();
+        if let Some((floor, index)) = overlaps.floor() {
+            // The floor's members not scored below all cost the same (the same overlap, no
+            // load), as the idle ranks do: they may stand as one candidate when every rank not
+            // scored is a member. Otherwise members and idle ranks would differ: score the
+            // members too.
+            let members = order.floor_positions(floor, index);
+            let outside = positions
+                .iter()
+                .filter(|p| members.binary_search(p).is_err())
+                .count();
+            if members.len() + outside != order.ranks.len() {
+                positions.extend(members.iter().copied());
+                positions.sort_unstable();
+                positions.dedup();
+            }
+        }
         let mut scored = Vec::with_capacity(positions.len());
         for position in positions {
             // The catalog and the order change together, under the write lock.
@@ -190,12 +244,16 @@ impl Selector {
         let first_idle = (0..order.ranks.len())
             .find(|&i| scored.get(i).is_none_or(|s| s.position != i))
             .filter(|_| idle_ranks > 0);
-        let idle_cost = match first_idle {
+        // (With a floor standing for the ranks not scored, "idle" ones are its members.)
+        let (idle_cost, idle_device_blocks) = match first_idle {
             Some(position) => match candidate_at(position) {
-                Some((candidate, _)) => Some(config.cost(&candidate, isl, block_size)),
+                Some((candidate, _)) => (
+                    Some(config.cost(&candidate, isl, block_size)),
+                    candidate.device_blocks,
+                ),
                 None => return Ok(None),
             },
-            None => None,
+            None => (None, 0),
         };
         let first_free = scored
             .iter()
@@ -228,7 +286,8 @@ impl Selector {
             .iter()
             .map(|s| s.candidate.device_blocks)
             .max()
-            .unwrap_or(0);
+            .unwrap_or(0)
+            .max(idle_device_blocks);
         let Some((candidate, record)) = candidate_at(chosen) else {
             return Ok(None);
         };
@@ -307,7 +366,7 @@ impl CandidateInputs<'_> {
 mod tests {
     use super::*;
     use crate::event::{KvEvent, StoredBlock, Tier};
-    use crate::hash::PromptHashes;
+    use crate::hash::{BASE_SEED, PromptHashes};
     use rand::SeedableRng;
     use rand::rngs::SmallRng;
 
@@ -345,8 +404,16 @@ mod tests {
     }
 
     /// A random fleet: workers with 1–3 ranks and mixed specs, registered out of order, some
-    /// incomplete, prefixes stored on random ranks and tiers, live bookings, deletions.
-    fn random_fleet(rng: &mut SmallRng, bases: &[Vec<u32>], now: Instant) -> Selector {
+    /// incomplete, prefixes stored on random ranks and tiers, live bookings, deletions. With
+    /// `shared`, first every rank of every worker (but, sometimes, one) stores the first two
+    /// blocks of `bases[0]` on the device: a fleet-wide system prompt, whose holders the index
+    /// answers as a floor.
+    fn random_fleet_sharing(
+        rng: &mut SmallRng,
+        bases: &[Vec<u32>],
+        now: Instant,
+        shared: bool,
+    ) -> Selector {
         let profile = RouterProfile::ALL[rng.random_range(0..2)];
         let mut config = SelectorConfig::for_profile(profile);
         if rng.random_bool(0.3) {
@@ -371,26 +438,25 @@ mod tests {
             s.upsert_worker(spec).expect("valid spec");
         }
         let ids: Vec<WorkerId> = s.workers.keys().copied().collect();
+        if shared {
+            let hashes =
+                PromptHashes::from_tokens(&bases[0][..2 * BS as usize], BS as usize, BASE_SEED);
+            let skip = rng
+                .random_bool(0.3)
+                .then(|| ids[rng.random_range(0..ids.len())]);
+            for &worker_id in ids.iter().filter(|&&w| Some(w) != skip) {
+                for dp_rank in 0..s.workers[&worker_id].spec.dp_size() {
+                    s.apply_events(worker_id, dp_rank, &[stored(&hashes, Tier::Device)]);
+                }
+            }
+        }
         for _ in 0..rng.random_range(0..12) {
             let worker_id = ids[rng.random_range(0..ids.len())];
             let dp_size = s.workers[&worker_id].spec.dp_size();
             let prompt = prompt_of(rng, bases);
-            let hashes = PromptHashes::from_tokens(&prompt, BS as usize, crate::hash::BASE_SEED);
-            let blocks = hashes
-                .local
-                .iter()
-                .zip(&hashes.sequence)
-                .map(|(&local_hash, &engine_hash)| StoredBlock {
-                    engine_hash,
-                    local_hash,
-                })
-                .collect();
+            let hashes = PromptHashes::from_tokens(&prompt, BS as usize, BASE_SEED);
             let tier = [Tier::Device, Tier::Host, Tier::Disk][rng.random_range(0..3)];
-            let event = KvEvent::Stored {
-                parent: None,
-                blocks,
-                tier,
-            };
+            let event = stored(&hashes, tier);
             s.apply_events(worker_id, rng.random_range(0..dp_size), &[event]);
         }
         let p = partition();
@@ -407,18 +473,48 @@ mod tests {
         s
     }
 
+    /// A `Stored` event of a prompt's blocks from the first, engine hashes its sequence hashes.
+    fn stored(hashes: &PromptHashes, tier: Tier) -> KvEvent {
+        let blocks = hashes
+            .local
+            .iter()
+            .zip(&hashes.sequence)
+            .map(|(&local_hash, &engine_hash)| StoredBlock {
+                engine_hash,
+                local_hash,
+            })
+            .collect();
+        KvEvent::Stored {
+            parent: None,
+            blocks,
+            tier,
+        }
+    }
+
     /// The fleet-size path picks what the full scan picks, from the same random source, on
     /// random fleets: a request allowed every worker takes the scan with the same candidates.
     #[test]
     fn picks_the_full_scans_rank_on_random_fleets() {
+        picks_the_full_scans_rank(false);
+    }
+
+    /// The same where every rank holds a shared prefix, so the walk answers with a floor, which
+    /// stands for its members when every rank not scored is one (and is listed when not).
+    #[test]
+    fn picks_the_full_scans_rank_on_fleets_sharing_a_system_prompt() {
+        picks_the_full_scans_rank(true);
+    }
+
+    fn picks_the_full_scans_rank(shared: bool) {
         let now = Instant::now();
         let mut fast_path_served = 0;
+        let mut floors_met = 0;
         for seed in 0..300 {
             let mut rng = SmallRng::seed_from_u64(seed);
             let bases: Vec<Vec<u32>> = (0..4)
                 .map(|b| (0..40).map(|t| 1 + b * 1000 + t).collect())
                 .collect();
-            let s = random_fleet(&mut rng, &bases, now);
+            let s = random_fleet_sharing(&mut rng, &bases, now, shared);
             let all: Vec<WorkerId> = s.workers.keys().copied().collect();
             let p = partition();
             for _ in 0..10 {
@@ -440,11 +536,17 @@ mod tests {
                     "seed {seed}, prompt {prompt:?}"
                 );
             }
-            if locked(&s.rank_orders).by_partition.contains_key(&p) {
+            if let Some(order) = locked(&s.rank_orders).by_partition.get(&p) {
                 fast_path_served += 1;
+                if locked(&order.floor_positions).is_some() {
+                    floors_met += 1;
+                }
             }
         }
         assert!(fast_path_served > 250, "{fast_path_served} fleets");
+        if shared {
+            assert!(floors_met > 100, "{floors_met} fleets met a floor");
+        }
     }
 
     /// Ties among idle ranks are drawn uniformly: every rank of an idle fleet gets picked.

@@ -28,9 +28,21 @@ impl Selector {
             .collect()
     }
 
-    /// The index walk of a select alone: every rank of the partition with a non-zero overlap with
-    /// a prompt given by its sequence hashes, in rank order (what `select` scores). For
-    /// `kvroute bench index`, which times the walk without the scoring. `None` when the
+    /// The index walk of a select alone, as `select` runs it: the compact answer for a prompt
+    /// given by its sequence hashes (the ranks listed, and the floor of ranks a shared first
+    /// block made alike). For `kvroute bench index`, which times the walk without the scoring.
+    /// `None` when the partition has no index.
+    pub fn index_walk(
+        &self,
+        partition: &PartitionKey,
+        sequence_hashes: &[u64],
+    ) -> Option<crate::index::CompactMatches> {
+        let p = self.partitions.get(partition)?;
+        Some(p.index.find_matches_compact(sequence_hashes))
+    }
+
+    /// Every rank of the partition with a non-zero overlap with a prompt given by its sequence
+    /// hashes, in rank order ([`Self::index_walk`] with the floor listed). `None` when the
     /// partition has no index.
     pub fn index_overlaps(
         &self,

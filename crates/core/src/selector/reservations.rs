@@ -358,9 +358,7 @@ impl Selector {
             }
             Some(n) => n,
             None => {
-                let overlap = Self::overlaps(p, &hashes)
-                    .get(&Rank::new(worker_id, dp_rank))
-                    .copied();
+                let overlap = Self::overlaps(p, &hashes).get(&Rank::new(worker_id, dp_rank));
                 let (device, host, disk) = overlap.map_or((0, 0, 0), |o| {
                     (o.device_blocks, o.host_blocks, o.disk_blocks)
                 });

@@ -7,7 +7,7 @@ use super::*;
 use crate::error::check_id;
 use crate::event::Rank;
 use crate::hash::PromptHashes;
-use crate::index::RankOverlap;
+use crate::index::{CompactMatches, Floor, RankOverlap};
 use crate::load::Booking;
 use crate::pending::PendingKey;
 use crate::schedule::{Candidate, Leg, RouterProfile, pick};
@@ -17,18 +17,25 @@ use std::sync::Arc;
 
 /// Ranks with a non-zero overlap, sorted by rank for lookups by binary search (cheaper than
 /// building a hash map of up to every rank on every select).
-pub(super) struct Overlaps(Vec<RankOverlap>);
+/// A prompt's overlaps from one index walk: the compact answer and the index that gave it.
+pub(super) struct Overlaps<'a> {
+    answer: CompactMatches,
+    index: &'a RadixIndex,
+}
 
-impl Overlaps {
-    pub(super) fn get(&self, rank: &Rank) -> Option<&RankOverlap> {
-        self.0
-            .binary_search_by_key(rank, |o| o.rank)
-            .ok()
-            .map(|i| &self.0[i])
+impl<'a> Overlaps<'a> {
+    pub(super) fn get(&self, rank: &Rank) -> Option<RankOverlap> {
+        self.answer.get(self.index, *rank)
     }
 
-    pub(super) fn iter(&self) -> impl Iterator<Item = &RankOverlap> {
-        self.0.iter()
+    /// The ranks listed: every rank with an overlap but the floor's members not listed.
+    pub(super) fn listed(&self) -> impl Iterator<Item = &RankOverlap> {
+        self.answer.listed.iter()
+    }
+
+    /// The floor, with the index whose rank slots it names.
+    pub(super) fn floor(&self) -> Option<(&Floor, &'a RadixIndex)> {
+        self.answer.floor.as_ref().map(|f| (f, self.index))
     }
 }
 
@@ -171,11 +178,14 @@ impl Selector {
         })
     }
 
-    pub(super) fn overlaps(p: &Partition, hashes: &PromptHashes) -> Overlaps {
-        // The index answers in rank order, which `Overlaps::get` searches.
-        let ranks = p.index.find_matches(&hashes.sequence).ranks;
-        debug_assert!(ranks.is_sorted_by_key(|o| o.rank));
-        Overlaps(ranks)
+    pub(super) fn overlaps<'a>(p: &'a Partition, hashes: &PromptHashes) -> Overlaps<'a> {
+        // The index lists in rank order, which `Overlaps::get` searches.
+        let answer = p.index.find_matches_compact(&hashes.sequence);
+        debug_assert!(answer.listed.is_sorted_by_key(|o| o.rank));
+        Overlaps {
+            answer,
+            index: &p.index,
+        }
     }
 
     /// Picks a rank for `leg` of the request (SPEC §6; §6.1 for the legs of a disaggregated
