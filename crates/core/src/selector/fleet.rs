@@ -365,8 +365,9 @@ impl CandidateInputs<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::event::{KvEvent, StoredBlock, Tier};
+    use crate::event::Tier;
     use crate::hash::{BASE_SEED, PromptHashes};
+    use crate::selector::tests::stored_event;
     use rand::SeedableRng;
     use rand::rngs::SmallRng;
 
@@ -446,7 +447,7 @@ mod tests {
                 .then(|| ids[rng.random_range(0..ids.len())]);
             for &worker_id in ids.iter().filter(|&&w| Some(w) != skip) {
                 for dp_rank in 0..s.workers[&worker_id].spec.dp_size() {
-                    s.apply_events(worker_id, dp_rank, &[stored(&hashes, Tier::Device)]);
+                    s.apply_events(worker_id, dp_rank, &[stored_event(&hashes, Tier::Device)]);
                 }
             }
         }
@@ -456,7 +457,7 @@ mod tests {
             let prompt = prompt_of(rng, bases);
             let hashes = PromptHashes::from_tokens(&prompt, BS as usize, BASE_SEED);
             let tier = [Tier::Device, Tier::Host, Tier::Disk][rng.random_range(0..3)];
-            let event = stored(&hashes, tier);
+            let event = stored_event(&hashes, tier);
             s.apply_events(worker_id, rng.random_range(0..dp_size), &[event]);
         }
         let p = partition();
@@ -471,24 +472,6 @@ mod tests {
                 .expect("registered");
         }
         s
-    }
-
-    /// A `Stored` event of a prompt's blocks from the first, engine hashes its sequence hashes.
-    fn stored(hashes: &PromptHashes, tier: Tier) -> KvEvent {
-        let blocks = hashes
-            .local
-            .iter()
-            .zip(&hashes.sequence)
-            .map(|(&local_hash, &engine_hash)| StoredBlock {
-                engine_hash,
-                local_hash,
-            })
-            .collect();
-        KvEvent::Stored {
-            parent: None,
-            blocks,
-            tier,
-        }
     }
 
     /// The fleet-size path picks what the full scan picks, from the same random source, on

@@ -44,9 +44,8 @@ fn selector_with(workers: &[WorkerId]) -> Selector {
     s
 }
 
-/// Publishes the prompt's full blocks as stored on the worker's rank 0.
-fn store_prompt(s: &mut Selector, worker_id: WorkerId, prompt: &[u32], tier: Tier) {
-    let hashes = PromptHashes::from_tokens(prompt, BS as usize, crate::hash::BASE_SEED);
+/// A `Stored` event of a prompt's blocks from the first, engine hashes its sequence hashes.
+pub(super) fn stored_event(hashes: &PromptHashes, tier: Tier) -> KvEvent {
     let blocks = hashes
         .local
         .iter()
@@ -56,16 +55,18 @@ fn store_prompt(s: &mut Selector, worker_id: WorkerId, prompt: &[u32], tier: Tie
             local_hash,
         })
         .collect();
-    s.apply_events(
-        worker_id,
-        0,
-        &[KvEvent::Stored {
-            parent: None,
-            blocks,
-            tier,
-        }],
-    )
-    .expect("known worker");
+    KvEvent::Stored {
+        parent: None,
+        blocks,
+        tier,
+    }
+}
+
+/// Publishes the prompt's full blocks as stored on the worker's rank 0.
+fn store_prompt(s: &mut Selector, worker_id: WorkerId, prompt: &[u32], tier: Tier) {
+    let hashes = PromptHashes::from_tokens(prompt, BS as usize, crate::hash::BASE_SEED);
+    s.apply_events(worker_id, 0, &[stored_event(&hashes, tier)])
+        .expect("known worker");
 }
 
 fn tokens_prompt(t: &[u32]) -> Prompt<'_> {
