@@ -116,17 +116,7 @@ impl RadixIndex {
         }
         match walk {
             None => CompactMatches::default(),
-            Some(w) => {
-                let compact = w.finish_compact(depth as u32, &self.slots, &self.rank_order);
-                CompactMatches {
-                    listed: compact.listed,
-                    floor: compact.floor.map(|(depth, members)| Floor {
-                        depth,
-                        count: members.iter().map(|w| w.count_ones() as usize).sum(),
-                        members,
-                    }),
-                }
-            }
+            Some(w) => w.finish_compact(depth as u32, &self.slots, &self.rank_order),
         }
     }
 

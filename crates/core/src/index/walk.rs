@@ -22,7 +22,7 @@
 use super::holders::{
     DenseHolders, TierMask, View, cumulative_bits, entry_mask, entry_slot, find_entry,
 };
-use super::{RankOverlap, RankSlot};
+use super::{CompactMatches, Floor, RankOverlap, RankSlot};
 use crate::event::Rank;
 
 /// A rank still matching, in a list walk: its slot, the cumulative tiers (bit 0 device, 1 host,
@@ -79,18 +79,20 @@ pub(super) struct Walk {
     /// A uniform dense walk's ranks matching the first block (to find, with a floor, those that
     /// stopped before it).
     initial: Vec<u64>,
-    /// The floor (module documentation) so far: its depth, its members, the members its step
-    /// dropped, and how many.
-    floor: Option<(u32, Vec<u64>, Vec<u64>, usize)>,
+    /// The floor (module documentation) so far.
+    floor: Option<FloorStep>,
     /// Scratch: the ranks matching before a step.
     before: Vec<u64>,
 }
 
-/// A lookup's answer with a floor: the ranks listed, and the floor's depth and members (rank
-/// slots), each member not listed having matched `depth` blocks on every tier.
-pub(super) struct Compact {
-    pub(super) listed: Vec<RankOverlap>,
-    pub(super) floor: Option<(u32, Vec<u64>)>,
+/// The step of a walk that sets its floor.
+struct FloorStep {
+    depth: u32,
+    /// The ranks matching before the step (rank slots).
+    members: Vec<u64>,
+    /// The members the step dropped (all of them, for the ranks still matching at the end).
+    gone: Vec<u64>,
+    dropped: usize,
 }
 
 /// `alive &= held` (a missing word of `held` is zero), calling `lost(w, bits)` for each word `w`
@@ -292,7 +294,9 @@ impl Walk {
     /// After a uniform dense step that dropped `dropped` ranks at `depth` (the ranks matching
     /// before it in `before`): the floor if it dropped the most so far, and enough.
     fn note_floor(&mut self, dropped: usize, depth: u32) {
-        if dropped < self.list_below.max(1) || self.floor.as_ref().is_some_and(|f| f.3 >= dropped) {
+        if dropped < self.list_below.max(1)
+            || self.floor.as_ref().is_some_and(|f| f.dropped >= dropped)
+        {
             return;
         }
         let gone: Vec<u64> = self
@@ -301,7 +305,12 @@ impl Walk {
             .zip(&self.alive[0])
             .map(|(&b, &a)| b & !a)
             .collect();
-        self.floor = Some((depth, self.before.clone(), gone, dropped));
+        self.floor = Some(FloorStep {
+            depth,
+            members: self.before.clone(),
+            gone,
+            dropped,
+        });
     }
 
     /// Stops keeping one set for all tiers.
@@ -488,31 +497,8 @@ impl Walk {
         });
     }
 
-    /// [`Self::finish`], or with a floor the ranks it does not stand for (in rank order) and
-    /// the floor.
-    pub(super) fn finish_compact(
-        mut self,
-        depth: u32,
-        slots: &[RankSlot],
-        rank_order: &[(Rank, u32)],
-    ) -> Compact {
-        // The ranks still matching at the end are a group alike too: the floor when larger.
-        if self.dense
-            && self.uniform
-            && self.count[0] >= self.list_below.max(1)
-            && self.floor.as_ref().is_none_or(|f| f.3 < self.count[0])
-        {
-            let alive = self.alive[0].clone();
-            self.floor = Some((depth, alive.clone(), alive, self.count[0]));
-        }
-        let Some((floor_depth, members, gone, _)) = self.floor.take() else {
-            return Compact {
-                listed: self.finish(depth, slots, rank_order),
-                floor: None,
-            };
-        };
-        // Every depth into `ends`: the list's and the done ranks', and the dense ranks still
-        // matching.
+    /// The ranks of a list walk still matching matched every block up to `depth`.
+    fn settle_list(&mut self, depth: u32) {
         for r in &mut self.list {
             for (t, end) in r.ends.iter_mut().enumerate() {
                 if r.tiers & (1 << t) != 0 {
@@ -520,6 +506,41 @@ impl Walk {
                 }
             }
         }
+    }
+
+    /// [`Self::finish`], or with a floor the ranks it does not stand for (in rank order) and
+    /// the floor.
+    pub(super) fn finish_compact(
+        mut self,
+        depth: u32,
+        slots: &[RankSlot],
+        rank_order: &[(Rank, u32)],
+    ) -> CompactMatches {
+        // The ranks still matching at the end are a group alike too: the floor when larger.
+        if self.dense
+            && self.uniform
+            && self.count[0] >= self.list_below.max(1)
+            && self
+                .floor
+                .as_ref()
+                .is_none_or(|f| f.dropped < self.count[0])
+        {
+            self.floor = Some(FloorStep {
+                depth,
+                members: self.alive[0].clone(),
+                gone: self.alive[0].clone(),
+                dropped: self.count[0],
+            });
+        }
+        let Some(step) = self.floor.take() else {
+            return CompactMatches {
+                listed: self.finish(depth, slots, rank_order),
+                floor: None,
+            };
+        };
+        // Every depth into `ends`: the list's and the done ranks', and the dense ranks still
+        // matching.
+        self.settle_list(depth);
         for r in self.done.iter().chain(&self.list) {
             self.ends[r.slot as usize] = r.ends;
         }
@@ -541,7 +562,7 @@ impl Walk {
         // Listed: every rank that matched the first block but those the floor's step dropped.
         let mut listed = Vec::new();
         let ends = &self.ends;
-        for (w, (&i, &g)) in self.initial.iter().zip(&gone).enumerate() {
+        for (w, (&i, &g)) in self.initial.iter().zip(&step.gone).enumerate() {
             for_each_bit(w, i & !g, |slot| {
                 let e = ends[slot];
                 if let Some(rank) = slots.get(slot).and_then(|s| s.rank)
@@ -557,9 +578,13 @@ impl Walk {
             });
         }
         listed.sort_unstable_by_key(|o| o.rank);
-        Compact {
+        CompactMatches {
             listed,
-            floor: Some((floor_depth, members)),
+            floor: Some(Floor {
+                depth: step.depth,
+                count: step.members.iter().map(|w| w.count_ones() as usize).sum(),
+                members: step.members,
+            }),
         }
     }
 
@@ -583,13 +608,7 @@ impl Walk {
                 disk_blocks: ends[2],
             })
         };
-        for r in &mut self.list {
-            for (t, end) in r.ends.iter_mut().enumerate() {
-                if r.tiers & (1 << t) != 0 {
-                    *end = depth;
-                }
-            }
-        }
+        self.settle_list(depth);
         let mut out = Vec::with_capacity(self.matched);
         if self.ends.is_empty() {
             let mut all = self.done;
